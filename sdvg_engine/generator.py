@@ -1,0 +1,155 @@
+"""One causal model, its KV cache, context scheme and schedule: generates and commits blocks.
+
+The speculative loop owns two of these (drafter and target). Everything a block costs goes through
+:meth:`CausalGenerator.run_model`, which counts calls by kind, times them, and gives the caller a
+hook before each call (progress, cancel).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .context import ContextScheme, GlobalCache
+from .models.causal_wan import CausalWanTransformer3DModel, TextKV
+from .models.kv_cache import KVCache
+from .sampling import NoiseSource, Schedule, flow_to_x0, get_schedule, renoise
+
+
+@dataclass
+class BlockSample:
+    """The result of denoising one block.
+
+    Attributes:
+        latents: final ``x0`` ``[B, C, F, h, w]`` float32 (normalized latent space).
+        states: the noisy input of each step that ran, in order (``states[k]`` at ``timesteps[first_step + k]``);
+            used by hybrid regeneration, which hands the drafter's state to the target.
+        first_step: the index of the first schedule step that ran.
+    """
+
+    latents: torch.Tensor
+    states: list[torch.Tensor] = field(default_factory=list)
+    first_step: int = 0
+
+
+class CausalGenerator:
+    """Generates blocks with one :class:`CausalWanTransformer3DModel`.
+
+    Args:
+        model: the causal DiT.
+        schedule: a :class:`Schedule` or its name (``self_forcing`` / ``krea``).
+        context: the context scheme (default: Self-Forcing's global cache).
+        frames_per_block: latent frames per block (3 for every released model).
+        name: used in error messages and reports (``drafter`` / ``target``).
+    """
+
+    def __init__(self, model: CausalWanTransformer3DModel, *, schedule: "Schedule | str" = "self_forcing",
+                 context: ContextScheme | None = None, frames_per_block: int = 3, name: str = "model"):
+        if frames_per_block < 1:
+            raise ValueError(f"frames_per_block must be positive, got {frames_per_block}")
+        self.model = model
+        self.schedule = get_schedule(schedule)
+        self.context = context if context is not None else GlobalCache()
+        self.frames_per_block = frames_per_block
+        self.name = name
+        self.kv_cache: KVCache | None = None
+        self.text_kv: TextKV | None = None
+        self._text_source: torch.Tensor | None = None
+        self.calls: Counter = Counter()
+        self.seconds: Counter = Counter()
+        self.before_call: Callable[[str, str], None] | None = None
+        self._latent_shape: tuple[int, int, int] | None = None
+
+    # ---- lifetime of a run --------------------------------------------------------------------------
+    def start(self, prompt_embeds: torch.Tensor, *, latent_height: int, latent_width: int, num_blocks: int) -> None:
+        """Prepare a new video: check its length, (re)use the KV cache, encode the prompt once."""
+        self.context.check_length(num_blocks, self.frames_per_block, self.name)
+        batch = prompt_embeds.shape[0]
+        capacity = self.context.capacity_frames(self.frames_per_block)
+        geometry_ok = (
+            self.kv_cache is not None
+            and self.kv_cache.geometry.batch_size == batch
+            and self.kv_cache.tokens_per_frame == self.model.tokens_per_frame(latent_height, latent_width)
+            and self.kv_cache.capacity_frames == capacity
+            and self.kv_cache.geometry.device == self.model.device
+        )
+        if not geometry_ok:
+            self.kv_cache = None  # free the old allocation before making the new one
+            self.kv_cache = self.model.new_kv_cache(batch, latent_height, latent_width, capacity)
+        self.kv_cache.reset()
+        if self._text_source is None or self._text_source.shape != prompt_embeds.shape or not torch.equal(
+            self._text_source, prompt_embeds.to(self._text_source.device)
+        ):
+            self.text_kv = self.model.encode_text(prompt_embeds)
+            self._text_source = prompt_embeds.detach().clone()
+        self.context.reset()
+        self.calls.clear()
+        self.seconds.clear()
+        self._latent_shape = (self.model.config.in_channels, latent_height, latent_width)
+
+    def block_shape(self, batch: int | None = None) -> tuple[int, int, int, int, int]:
+        if self._latent_shape is None:
+            raise RuntimeError(f"{self.name}: call start() before generating")
+        c, h, w = self._latent_shape
+        return (batch or self.kv_cache.geometry.batch_size, c, self.frames_per_block, h, w)
+
+    # ---- model calls --------------------------------------------------------------------------------
+    def run_model(self, kind: str, latents: torch.Tensor, timestep: float, start_frame: int, cache_bias=None) -> torch.Tensor:
+        """One DiT call over a block at ``start_frame`` (writes its K/V). ``kind`` labels the cost."""
+        if self.before_call is not None:
+            self.before_call(self.name, kind)
+        device = self.model.device
+        synchronize = device.type == "cuda"
+        if synchronize:
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        timesteps = torch.full((latents.shape[0], latents.shape[2]), float(timestep), device=device)
+        flow = self.model.forward_block(latents.to(device), timesteps, self.text_kv, self.kv_cache, start_frame, cache_bias=cache_bias)
+        if synchronize:
+            torch.cuda.synchronize(device)
+        self.seconds[kind] += time.perf_counter() - began
+        self.calls[kind] += 1
+        return flow
+
+    def generate_block(self, block_index: int, noise: NoiseSource, *, first_step: int = 0,
+                       start_latents: torch.Tensor | None = None) -> BlockSample:
+        """Denoise block ``block_index`` from its noise (or from ``start_latents`` at ``first_step``)."""
+        start_frame, cache_bias = self.context.prepare(self, block_index)
+        shape = self.block_shape()
+        timesteps, sigmas = self.schedule.timesteps, self.schedule.sigmas
+        if not 0 <= first_step < len(timesteps):
+            raise ValueError(f"{self.name}: first_step {first_step} outside the {len(timesteps)}-step schedule")
+        if start_latents is None:
+            if first_step != 0:
+                raise ValueError("start_latents are required when starting after step 0")
+            x = noise.initial(block_index, shape).to(self.model.device)
+        else:
+            x = start_latents.to(self.model.device, torch.float32)
+        states = []
+        x0 = x
+        for k in range(first_step, len(timesteps)):
+            states.append(x)
+            flow = self.run_model("denoise", x, timesteps[k], start_frame, cache_bias)
+            x0 = flow_to_x0(x, flow, sigmas[k])
+            if k + 1 < len(timesteps):
+                x = renoise(x0, noise.step(block_index, k, shape).to(x0.device), sigmas[k + 1])
+        return BlockSample(latents=x0, states=states, first_step=first_step)
+
+    def commit_block(self, block_index: int, latents: torch.Tensor, pixels: torch.Tensor | None = None) -> None:
+        """Make the final ``latents`` of ``block_index`` (and its decoded ``pixels`` ``[B,3,T,H,W]``) context."""
+        self.context.commit(self, block_index, latents.to(self.model.device, torch.float32), pixels)
+
+    def step_index(self, timestep: float) -> int:
+        """Index of ``timestep`` in this model's schedule (for handing a state from another model)."""
+        for k, t in enumerate(self.schedule.timesteps):
+            if abs(t - timestep) < 1e-6:
+                return k
+        raise ValueError(f"{self.name}: timestep {timestep} is not in its schedule {self.schedule.timesteps}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.nbytes

@@ -1,0 +1,302 @@
+"""Block-causal Wan2.1 DiT: diffusers' ``WanTransformer3DModel`` driven one block at a time.
+
+The layers and weights are diffusers' own (so diffusers' key conversion and ``from_pretrained``
+apply unchanged); this class adds what diffusers does not have:
+
+* per-frame timesteps ``t [B, F]`` with modulation broadcast per frame (not per token),
+* RoPE whose time axis starts at the block's frame position,
+* self-attention of the block over ``kv_cache[:end] + block`` (bidirectional inside the block,
+  causal across blocks) with an optional additive bias on chosen cached frames,
+* text cross-attention whose keys/values are computed once per prompt (:class:`TextKV`).
+
+Shapes below: ``B`` batch, ``C`` latent channels (16), ``F`` latent frames of the block, ``h, w``
+latent height/width, ``L = F * (h/2) * (w/2)`` tokens, ``D`` model width, ``H`` heads, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+
+from .kv_cache import CacheGeometry, KVCache
+
+#: Wan2.1 text-to-video architectures (``wan/configs/wan_t2v_*.py``). Head dim is 128 in both.
+WAN_CONFIGS = {
+    "Wan2.1-T2V-1.3B": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
+    "Wan2.1-T2V-14B": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
+}
+_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+               cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+
+
+def wan_config(name: str, **overrides) -> dict:
+    """Full ``WanTransformer3DModel`` config for a named architecture (``tiny`` for tests)."""
+    if name == "tiny":
+        base = dict(num_attention_heads=2, attention_head_dim=128, ffn_dim=256, num_layers=2)
+    else:
+        try:
+            base = WAN_CONFIGS[name]
+        except KeyError:
+            raise ValueError(f"unknown architecture {name!r}; known: {sorted(WAN_CONFIGS)} and 'tiny'") from None
+    return {**_COMMON, **base, **overrides}
+
+
+def architecture_name(config) -> str:
+    """The released architecture a config matches, or a description of a custom one."""
+    for name, arch in WAN_CONFIGS.items():
+        if all(config[k] == v for k, v in arch.items()) and config["text_dim"] == 4096:
+            return name
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    return f"custom Wan2.1 (dim {dim}, {config['num_layers']} layers, {config['num_attention_heads']} heads)"
+
+
+@dataclass
+class TextKV:
+    """Cross-attention keys/values of one prompt for every layer: ``[B, H, L_text, d]`` each.
+
+    Built once per prompt by :meth:`CausalWanTransformer3DModel.encode_text`; every block and step
+    reuses it. All 512 text rows are kept, zero padding included: the reference models attend to the
+    padding (which is nonzero after the text MLP), so truncating would change the output.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+
+def sinusoidal_embedding(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
+    """Wan's ``[cos, sin]`` timestep embedding, computed in float64 as the original code does.
+
+    timesteps: any shape ``S`` -> ``[*S, dim]`` float64.
+    """
+    half = dim // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=timesteps.device) / half)
+    args = timesteps.to(torch.float64).unsqueeze(-1) * freqs
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def _linear_fp32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight = linear.weight
+    if hasattr(linear, "dequantized_weight"):  # fp8-stored layers (see loading.py)
+        weight = linear.dequantized_weight()
+    bias = None if linear.bias is None else linear.bias.float()
+    return F.linear(x.float(), weight.float(), bias)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (``view_as_complex`` convention). x: ``[B, L, H, d]``, cos/sin: ``[L, 1, d/2]``."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class CausalWanTransformer3DModel(WanTransformer3DModel):
+    """Wan2.1 DiT with a block-causal, KV-cached forward (:meth:`forward_block`).
+
+    ``forward`` is diffusers' unchanged (full bidirectional attention, one timestep per sample); it
+    is the reference the causal path is tested against.
+    """
+
+    # ---- geometry -------------------------------------------------------------------------------
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.attention_head_dim
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.patch_embedding.weight.dtype
+
+    def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
+        _, p_h, p_w = self.config.patch_size
+        if latent_height % p_h or latent_width % p_w:
+            raise ValueError(
+                f"latent size {latent_height}x{latent_width} is not divisible by the patch size "
+                f"{p_h}x{p_w}; pixel width and height must be multiples of {8 * p_h}"
+            )
+        return (latent_height // p_h) * (latent_width // p_w)
+
+    def new_kv_cache(self, batch_size: int, latent_height: int, latent_width: int, capacity_frames: int,
+                     *, dtype: torch.dtype | None = None) -> KVCache:
+        geometry = CacheGeometry(
+            num_layers=self.config.num_layers, batch_size=batch_size, num_heads=self.num_heads,
+            head_dim=self.head_dim, tokens_per_frame=self.tokens_per_frame(latent_height, latent_width),
+            capacity_frames=capacity_frames, dtype=dtype or self.compute_dtype, device=self.device,
+        )
+        return KVCache(geometry)
+
+    # ---- text -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, prompt_embeds: torch.Tensor) -> TextKV:
+        """prompt_embeds ``[B, L_text, text_dim]`` (UMT5 output, zero padded) -> per-layer cross-attention K/V."""
+        if prompt_embeds.ndim != 3 or prompt_embeds.shape[-1] != self.config.text_dim:
+            raise ValueError(
+                f"text context must be [B, L, {self.config.text_dim}] (UMT5-XXL embeddings), "
+                f"got shape {tuple(prompt_embeds.shape)}"
+            )
+        context = self.condition_embedder.text_embedder(prompt_embeds.to(self.device, self.compute_dtype))
+        keys, values = [], []
+        for block in self.blocks:
+            attn = block.attn2
+            keys.append(attn.norm_k(attn.to_k(context)).unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
+            values.append(attn.to_v(context).unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
+        return TextKV(keys, values)
+
+    # ---- positions and time ---------------------------------------------------------------------
+    def _rope(self, start_frame: int, num_frames: int, hp: int, wp: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[L, 1, d/2]`` for frames ``start_frame..start_frame+F-1`` of an ``hp x wp`` token grid."""
+        rope = self.rope
+        if start_frame + num_frames > rope.max_seq_len or max(hp, wp) > rope.max_seq_len:
+            raise ValueError(
+                f"RoPE table has {rope.max_seq_len} positions; frame position {start_frame + num_frames - 1} "
+                f"or grid {hp}x{wp} exceeds it"
+            )
+        # The buffers repeat each frequency for the two channels of a pair; keep one of each.
+        cos_t, cos_h, cos_w = rope.freqs_cos[:, 0::2].split([rope.t_dim // 2, rope.h_dim // 2, rope.w_dim // 2], dim=1)
+        sin_t, sin_h, sin_w = rope.freqs_sin[:, 0::2].split([rope.t_dim // 2, rope.h_dim // 2, rope.w_dim // 2], dim=1)
+        frames = slice(start_frame, start_frame + num_frames)
+
+        def grid(t, h, w):
+            t = t[frames].view(num_frames, 1, 1, -1).expand(num_frames, hp, wp, -1)
+            h = h[:hp].view(1, hp, 1, -1).expand(num_frames, hp, wp, -1)
+            w = w[:wp].view(1, 1, wp, -1).expand(num_frames, hp, wp, -1)
+            return torch.cat([t, h, w], dim=-1).reshape(num_frames * hp * wp, 1, -1).to(device, torch.float32)
+
+        return grid(cos_t, cos_h, cos_w), grid(sin_t, sin_h, sin_w)
+
+    def _time_embedding(self, timesteps: torch.Tensor):
+        """timesteps ``[B, F]`` -> ``temb [B, F, D]`` and modulation ``[B, F, 6, D]`` (float32)."""
+        # The original runs these layers under float32 autocast whatever the weight dtype; so do we.
+        emb = self.condition_embedder
+        sinus = sinusoidal_embedding(timesteps, self.config.freq_dim).float()
+        hidden = F.silu(_linear_fp32(emb.time_embedder.linear_1, sinus))
+        temb = _linear_fp32(emb.time_embedder.linear_2, hidden)
+        modulation = _linear_fp32(emb.time_proj, F.silu(temb))
+        return temb, modulation.unflatten(-1, (6, -1))
+
+    # ---- attention --------------------------------------------------------------------------------
+    def _self_attention(self, attn, x, rope, kv_cache: KVCache | None, layer: int, start_frame: int, attn_mask):
+        q = attn.norm_q(attn.to_q(x)).unflatten(2, (self.num_heads, -1))
+        k = attn.norm_k(attn.to_k(x)).unflatten(2, (self.num_heads, -1))
+        v = attn.to_v(x).unflatten(2, (self.num_heads, -1))
+        # Keys are cached after RoPE, so a cached frame keeps the position it was written at.
+        q, k = _apply_rope(q, *rope).transpose(1, 2), _apply_rope(k, *rope).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.write_and_read(layer, start_frame, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return attn.to_out[0](out.transpose(1, 2).flatten(2))
+
+    def _cross_attention(self, attn, x, text_k, text_v):
+        q = attn.norm_q(attn.to_q(x)).unflatten(2, (self.num_heads, -1)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, text_k, text_v)
+        return attn.to_out[0](out.transpose(1, 2).flatten(2))
+
+    def _attention_bias(self, kv_cache: KVCache, start_frame: int, num_frames: int, bias_frames, bias: float, dtype):
+        """Additive logit bias ``[1, 1, 1, end_tokens]`` adding ``bias`` on cached frames in ``bias_frames``."""
+        tpf = kv_cache.tokens_per_frame
+        mask = torch.zeros(1, 1, 1, (start_frame + num_frames) * tpf, dtype=dtype, device=kv_cache.keys.device)
+        lo, hi = bias_frames
+        mask[..., lo * tpf : hi * tpf] = bias
+        return mask
+
+    # ---- the block forward ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_block(
+        self,
+        block_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        text_kv: TextKV,
+        kv_cache: KVCache | None = None,
+        start_frame: int = 0,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        cache_bias: tuple[tuple[int, int], float] | None = None,
+    ) -> torch.Tensor:
+        """Predict the flow of one block of latent frames.
+
+        Args:
+            block_latents: ``[B, C, F, h, w]`` noisy latents of the block (normalized latent space).
+            timesteps: ``[B, F]`` (or ``[B]``) float timesteps in [0, 1000], one per frame.
+            text_kv: the prompt's cross-attention K/V from :meth:`encode_text`.
+            kv_cache: if given, this block's K/V are written at frames ``start_frame..start_frame+F-1``
+                and the block attends to all cached frames before it plus itself. If ``None`` the block
+                attends only to itself (optionally under ``attn_mask``).
+            start_frame: frame position of the block: its RoPE time offset and its cache slot.
+            attn_mask: optional boolean/additive mask ``[.., L, L_keys]`` for SDPA (used by tests and
+                the full-sequence reference).
+            cache_bias: ``((first, end), bias)``: add ``bias`` to the logits of cached frames
+                ``first..end-1`` (Krea/Scope's attention bias on older context frames).
+
+        Returns:
+            flow ``v = noise - x0`` of shape ``[B, C, F, h, w]`` in float32.
+        """
+        B, C, n_frames, h, w = block_latents.shape
+        p_t, p_h, p_w = self.config.patch_size
+        if p_t != 1:
+            raise ValueError(f"temporal patch size {p_t} is not supported (Wan2.1 uses 1)")
+        if C != self.config.in_channels:
+            raise ValueError(f"block has {C} latent channels, the model expects {self.config.in_channels}")
+        hp, wp = h // p_h, w // p_w
+        tpf = self.tokens_per_frame(h, w)
+        if timesteps.ndim == 1:
+            timesteps = timesteps[:, None].expand(B, n_frames)
+        if tuple(timesteps.shape) != (B, n_frames):
+            raise ValueError(f"timesteps must be [B, F] = [{B}, {n_frames}], got {tuple(timesteps.shape)}")
+        if kv_cache is not None:
+            if kv_cache.tokens_per_frame != tpf or kv_cache.geometry.batch_size != B:
+                raise ValueError(
+                    f"KV cache was allocated for batch {kv_cache.geometry.batch_size} and {kv_cache.tokens_per_frame} "
+                    f"tokens/frame, but the block has batch {B} and {tpf} tokens/frame"
+                )
+            kv_cache.check_fits(start_frame, n_frames)
+            if cache_bias is not None:
+                attn_mask = self._attention_bias(kv_cache, start_frame, n_frames, *cache_bias, dtype=self.compute_dtype)
+
+        dtype = self.compute_dtype
+        x = self.patch_embedding(block_latents.to(self.device, dtype)).flatten(2).transpose(1, 2).contiguous()
+        temb, modulation = self._time_embedding(timesteps.to(self.device))
+        rope = self._rope(start_frame, n_frames, hp, wp, x.device)
+
+        def per_frame(t):  # [B, L, D] <-> [B, F, tokens/frame, D] so modulation broadcasts per frame
+            return t.view(B, n_frames, tpf, -1)
+
+        for layer, block in enumerate(self.blocks):
+            shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.float() + modulation).unsqueeze(3).unbind(2)
+            normed = (per_frame(block.norm1(x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
+            attn_out = self._self_attention(block.attn1, normed, rope, kv_cache, layer, start_frame, attn_mask)
+            x = (x.float() + (per_frame(attn_out.float()) * gate).flatten(1, 2)).to(dtype)
+
+            normed = block.norm2(x.float()).to(dtype)
+            x = x + self._cross_attention(block.attn2, normed, text_kv.keys[layer], text_kv.values[layer])
+
+            normed = (per_frame(block.norm3(x.float())) * (1 + c_scale) + c_shift).flatten(1, 2).to(dtype)
+            ff_out = block.ffn(normed)
+            x = (x.float() + (per_frame(ff_out.float()) * c_gate).flatten(1, 2)).to(dtype)
+
+        shift, scale = (self.scale_shift_table.float() + temb.unsqueeze(2)).unsqueeze(3).unbind(2)
+        x = (per_frame(self.norm_out(x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
+        x = self.proj_out(x)
+        # Unpatchify: tokens (f, hp, wp) x (p_t, p_h, p_w, C) -> [B, C, F, h, w].
+        x = x.reshape(B, n_frames, hp, wp, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.flatten(6, 7).flatten(4, 5).flatten(2, 3).float()
+
+
+def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int, device=None) -> torch.Tensor:
+    """Boolean ``[L, L]`` mask: a token may attend to every token of its own block and earlier blocks."""
+    block_of_token = torch.arange(num_frames, device=device).repeat_interleave(tokens_per_frame) // frames_per_block
+    return block_of_token[:, None] >= block_of_token[None, :]
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(math.prod(p.shape) for p in model.parameters())

@@ -1,0 +1,364 @@
+"""Read the causal Wan checkpoints users actually have and build a :class:`CausalWanTransformer3DModel`.
+
+Formats (all offline; nothing here touches a hub):
+
+==================  ===================================================  =============================
+format              what it looks like                                   where it comes from
+==================  ===================================================  =============================
+``self_forcing``    torch pickle ``{generator_ema, generator, critic}``,  ``self_forcing_dmd.pt``
+                    keys ``model.blocks.0.self_attn.q.weight``
+``krea``            safetensors, keys ``model.blocks.0...``               ``krea-realtime-video-14b``
+``comfyui``         safetensors, keys ``model.diffusion_model.blocks...`` ComfyUI ``diffusion_models/``
+``wan_original``    bare original keys ``blocks.0.self_attn.q.weight``    Wan repos, converted files
+``diffusers``       diffusers keys ``blocks.0.attn1.to_q.weight``         a diffusers folder or file
+==================  ===================================================  =============================
+
+Original keys are converted with diffusers' own ``convert_wan_transformer_to_diffusers``. The
+architecture is read from tensor shapes; the model is built on the meta device and the weights are
+assigned, so a 14B model is never allocated twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .causal_wan import CausalWanTransformer3DModel, architecture_name
+
+CONTEXT_SCHEMES = ("global_cache", "recompute_window")
+_PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+#: Kept in float32 whatever the requested dtype (diffusers' ``_keep_in_fp32_modules`` for Wan).
+_FP32_PATTERNS = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+#: Metadata keys this project writes into safetensors files it produces (toy models, exports).
+META_CONFIG = "sdvg.config"
+META_CONTEXT = "sdvg.context_scheme"
+#: Heads of the released Wan2.1 widths; shapes cannot tell heads from head dim.
+_KNOWN_HEADS = {1536: 12, 5120: 40}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used, with the file name and the offending keys."""
+
+
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint file is: printed by ``sdvg inspect`` and attached to loaded models."""
+
+    path: str
+    format: str
+    architecture: str
+    config: dict
+    num_parameters: int
+    stored_dtype: str
+    context_scheme: str
+    source_entry: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.config.items()}
+        return d
+
+    def describe(self) -> str:
+        lines = [
+            f"file:           {self.path}",
+            f"format:         {self.format}" + (f" (entry '{self.source_entry}')" if self.source_entry else ""),
+            f"architecture:   {self.architecture}",
+            f"parameters:     {self.num_parameters:,} ({self.num_parameters / 1e9:.2f} B)",
+            f"stored dtype:   {self.stored_dtype}",
+            f"context scheme: {self.context_scheme}",
+            "config:         " + ", ".join(f"{k}={v}" for k, v in sorted(self.config.items())),
+        ]
+        lines += [f"note:           {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---- reading raw tensors ----------------------------------------------------------------------------
+def _read_safetensors(path: Path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+    return tensors, metadata
+
+
+def _read_pickle(path: Path) -> tuple[dict, str | None]:
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        # mmap needs the zip format; old-style pickles load without it.
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as e2:  # noqa: BLE001 - re-raised with the file name, never swallowed
+            raise CheckpointError(f"{path}: cannot read as a PyTorch checkpoint ({e2})") from e
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError/EOFError/...; all re-raised
+        raise CheckpointError(
+            f"{path}: cannot read as a PyTorch checkpoint with weights_only=True ({type(e).__name__}: {e}). "
+            "If it holds arbitrary Python objects, convert it to safetensors."
+        ) from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a dict of tensors, found {type(obj).__name__}")
+    # Self-Forcing saves {generator, critic, generator_ema}; inference uses the EMA weights.
+    for entry in ("generator_ema", "generator", "state_dict", "model"):
+        if isinstance(obj.get(entry), dict):
+            return obj[entry], entry
+    return obj, None
+
+
+def _read_diffusers_folder(path: Path) -> tuple[dict, dict]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: a model folder needs a config.json (diffusers layout)")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{path}: no .safetensors weights in the folder")
+    tensors = {}
+    for shard in shards:
+        tensors.update(_read_safetensors(shard)[0])
+    config = json.loads(config_file.read_text())
+    return tensors, {META_CONFIG: json.dumps(config)}
+
+
+# ---- key formats ------------------------------------------------------------------------------------
+def _strip_prefix(state: dict) -> tuple[dict, str]:
+    keys = list(state)
+    for prefix, fmt in (("model.diffusion_model.", "comfyui"), ("diffusion_model.", "comfyui"), ("model.", "model.")):
+        if keys and all(k.startswith(prefix) for k in keys if not k.startswith("scaled_fp8")):
+            return {k[len(prefix):]: v for k, v in state.items()}, fmt
+    return dict(state), ""
+
+
+def _is_original(state: dict) -> bool:
+    return any(".self_attn." in k for k in state) or "head.head.weight" in state
+
+
+def _dequantize_fp8(state: dict) -> dict:
+    """ComfyUI's ``*_fp8_scaled`` files: float8 weights with a ``.scale_weight`` per tensor."""
+    out = {}
+    for key, tensor in state.items():
+        if key == "scaled_fp8" or key.endswith((".scale_weight", ".scale_input")):
+            continue
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = state.get(key.rsplit(".", 1)[0] + ".scale_weight")
+            tensor = tensor.float() * (scale.float() if scale is not None else 1.0)
+        out[key] = tensor
+    return out
+
+
+def _infer_config(state: dict, path: Path, num_heads: int | None) -> dict:
+    def shape(key):
+        if key not in state:
+            raise CheckpointError(f"{path}: key '{key}' is missing; this is not a Wan2.1 transformer checkpoint")
+        return tuple(state[key].shape)
+
+    if any(k.startswith("condition_embedder.image_embedder") for k in state):
+        raise CheckpointError(f"{path}: image-to-video Wan checkpoints are not supported; use a text-to-video causal model")
+    dim, in_ch, *patch = shape("patch_embedding.weight")
+    layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k)))
+    if num_heads is None:
+        num_heads = _KNOWN_HEADS.get(dim) or (dim // 128 if dim % 128 == 0 else None)
+        if num_heads is None:
+            raise CheckpointError(f"{path}: cannot infer the number of heads for width {dim}; pass num_heads")
+    if dim % num_heads:
+        raise CheckpointError(f"{path}: width {dim} is not divisible by {num_heads} heads")
+    out_total = shape("proj_out.weight")[0]
+    return dict(
+        patch_size=tuple(patch), num_attention_heads=num_heads, attention_head_dim=dim // num_heads,
+        in_channels=in_ch, out_channels=out_total // (patch[0] * patch[1] * patch[2]),
+        text_dim=shape("condition_embedder.text_embedder.linear_1.weight")[1],
+        freq_dim=shape("condition_embedder.time_embedder.linear_1.weight")[1],
+        ffn_dim=shape("blocks.0.ffn.net.0.proj.weight")[0], num_layers=layers,
+        cross_attn_norm="blocks.0.norm2.weight" in state, qk_norm="rms_norm_across_heads", eps=1e-6,
+    )
+
+
+def _config_from_metadata(metadata: dict) -> dict | None:
+    if META_CONFIG not in metadata:
+        return None
+    raw = json.loads(metadata[META_CONFIG])
+    allowed = set(CausalWanTransformer3DModel.__init__.__code__.co_varnames)
+    config = {k: v for k, v in raw.items() if k in allowed and not k.startswith("_")}
+    if "patch_size" in config:
+        config["patch_size"] = tuple(config["patch_size"])
+    return config
+
+
+def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) -> tuple[dict, CheckpointInfo]:
+    """Read any supported file into diffusers-keyed tensors (still on CPU, stored dtype) plus its description."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    entry = None
+    if path.is_dir():
+        state, metadata = _read_diffusers_folder(path)
+        container = "folder"
+    elif path.suffix == ".safetensors":
+        state, metadata = _read_safetensors(path)
+        container = "safetensors"
+    elif path.suffix in _PICKLE_SUFFIXES:
+        state, entry = _read_pickle(path)
+        metadata = {}
+        container = "pickle"
+    else:
+        raise CheckpointError(f"{path}: unknown file type '{path.suffix}'; expected .safetensors, .pt/.pth or a diffusers folder")
+    if not state:
+        raise CheckpointError(f"{path}: the file holds no tensors")
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{path}: entries that are not tensors: {bad[:5]}")
+
+    stored_dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
+    state, prefix = _strip_prefix(state)
+    state = _dequantize_fp8(state)
+    if _is_original(state):
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+        state = convert_wan_transformer_to_diffusers(state)
+        if prefix == "comfyui":
+            fmt = "comfyui"
+        elif prefix == "model.":
+            fmt = "self_forcing" if container == "pickle" else "krea"
+        else:
+            fmt = "wan_original"
+    else:
+        fmt = "diffusers" if container != "folder" else "diffusers_folder"
+
+    config = _config_from_metadata(metadata) or _infer_config(state, path, num_heads)
+    if num_heads is not None and config["num_attention_heads"] != num_heads:
+        dim = config["num_attention_heads"] * config["attention_head_dim"]
+        config.update(num_attention_heads=num_heads, attention_head_dim=dim // num_heads)
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    scheme = metadata.get(META_CONTEXT) or ("recompute_window" if dim == 5120 else "global_cache")
+    notes = []
+    if dim == 5120:
+        notes.append("14B: Krea Realtime defaults (KV recompute window, 5-call schedule)")
+    info = CheckpointInfo(
+        path=str(path), format=fmt, architecture=architecture_name(config), config=config,
+        num_parameters=sum(v.numel() for v in state.values()), stored_dtype="/".join(stored_dtypes),
+        context_scheme=scheme, source_entry=entry, notes=notes,
+    )
+    return state, info
+
+
+def inspect_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) -> CheckpointInfo:
+    """Describe a file without building a model (``sdvg inspect``)."""
+    return read_checkpoint(path, num_heads=num_heads)[1]
+
+
+# ---- building -----------------------------------------------------------------------------------------
+class Fp8Linear(torch.nn.Module):
+    """A Linear whose weight is stored in float8 (e4m3, per-tensor scale) and upcast for each matmul.
+
+    Halves weight memory against bf16 at a small accuracy cost; compute stays in the input dtype.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        self.register_buffer("weight_fp8", (weight / scale).to(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", scale.reshape(()))
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
+        return (self.weight_fp8.to(dtype) * self.weight_scale.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.dequantized_weight(x.dtype), bias)
+
+
+def quantize_blocks_fp8(model: CausalWanTransformer3DModel) -> int:
+    """Swap every Linear inside the transformer blocks for :class:`Fp8Linear`; returns how many."""
+    count = 0
+    for block in model.blocks:
+        for name, module in list(block.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                parent = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+                setattr(parent, name.rsplit(".", 1)[-1], Fp8Linear(module))
+                count += 1
+    return count
+
+
+def _check_keys(model: torch.nn.Module, state: dict, path: str) -> None:
+    expected = set(model.state_dict().keys())
+    found = set(state)
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        parts = [f"{path}: the weights do not match the Wan2.1 architecture read from the file"]
+        if missing:
+            parts.append(f"{len(missing)} missing keys, e.g. {missing[:10]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[:10]}")
+        raise CheckpointError("; ".join(parts))
+    for key in expected:
+        want = tuple(model.state_dict()[key].shape)
+        if tuple(state[key].shape) != want:
+            raise CheckpointError(f"{path}: key '{key}' has shape {tuple(state[key].shape)}, expected {want}")
+
+
+def build_model(config: dict, state: dict, *, dtype=torch.bfloat16, device="cpu", path: str = "<state dict>") -> CausalWanTransformer3DModel:
+    """Meta-device build + ``assign`` load: weights are converted once, straight onto ``device``."""
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    with torch.device("meta"):
+        model = CausalWanTransformer3DModel(**config)
+    _check_keys(model, state, path)
+    converted = {}
+    for key in list(state):
+        target = torch.float32 if any(p in key for p in _FP32_PATTERNS) else dtype
+        converted[key] = state.pop(key).to(device=device, dtype=target)
+    model.load_state_dict(converted, strict=True, assign=True)
+    # Non-persistent buffers were created on the meta device: rebuild the RoPE tables for real.
+    model.rope = WanRotaryPosEmbed(config["attention_head_dim"], config["patch_size"], model.rope.max_seq_len).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_causal_wan(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    num_heads: int | None = None,
+    fp8: bool = False,
+) -> tuple[CausalWanTransformer3DModel, CheckpointInfo]:
+    """Load a causal Wan2.1 transformer from any supported file. See the module docstring for formats.
+
+    Args:
+        dtype: compute/storage dtype (float32, bfloat16 or float16). Modulation tables and the time
+            embedding stay in float32, as in diffusers.
+        fp8: store the block Linear weights in float8 (e4m3) and upcast per matmul.
+    Returns:
+        ``(model, info)``; ``info.context_scheme`` is the scheme the checkpoint was trained with.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    state, info = read_checkpoint(path, num_heads=num_heads)
+    model = build_model(info.config, state, dtype=dtype, device=device, path=str(path))
+    if fp8:
+        n = quantize_blocks_fp8(model)
+        info.notes.append(f"{n} block Linear layers stored in float8_e4m3fn")
+    return model, info
+
+
+def save_checkpoint(model: CausalWanTransformer3DModel, path: str | os.PathLike, *, context_scheme: str | None = None) -> None:
+    """Write diffusers-keyed safetensors with the config (and scheme) in the metadata; loads back exactly."""
+    from safetensors.torch import save_file
+
+    metadata = {META_CONFIG: json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in model.config.items()})}
+    if context_scheme is not None:
+        if context_scheme not in CONTEXT_SCHEMES:
+            raise ValueError(f"context_scheme must be one of {CONTEXT_SCHEMES}, got {context_scheme!r}")
+        metadata[META_CONTEXT] = context_scheme
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata=metadata)

@@ -1,0 +1,166 @@
+"""Every checkpoint format round-trips through the loader; bad files fail naming the file and keys."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
+from sdvg_engine.models.loading import CheckpointError, inspect_checkpoint, load_causal_wan, save_checkpoint, _infer_config
+from wan_fixtures import text_context, tiny_wan, to_original_keys
+
+
+@pytest.fixture(scope="module")
+def source():
+    return tiny_wan(seed=4)
+
+
+@pytest.fixture(scope="module")
+def reference_output(source):
+    x = torch.randn(1, 16, 3, 4, 6, generator=torch.Generator().manual_seed(0))
+    text_kv = source.encode_text(text_context())
+    return x, source.forward_block(x, torch.full((1, 3), 833.3333333333334), text_kv)
+
+
+def _output(model, x):
+    return model.forward_block(x, torch.full((1, 3), 833.3333333333334), model.encode_text(text_context()))
+
+
+def _write(fmt, source, tmp_path):
+    diffusers_sd = {k: v.clone() for k, v in source.state_dict().items()}
+    original = to_original_keys(diffusers_sd)
+    if fmt == "self_forcing":
+        path = tmp_path / "self_forcing_dmd.pt"
+        prefixed = {f"model.{k}": v for k, v in original.items()}
+        noise = {k: torch.randn_like(v) for k, v in prefixed.items()}
+        torch.save({"generator": noise, "critic": {"x": torch.zeros(1)}, "generator_ema": prefixed}, path)
+    elif fmt == "krea":
+        path = tmp_path / "krea-realtime-video-14b.safetensors"
+        save_file({f"model.{k}": v for k, v in original.items()}, str(path))
+    elif fmt == "comfyui":
+        path = tmp_path / "wan_causal_comfy.safetensors"
+        save_file({f"model.diffusion_model.{k}": v for k, v in original.items()}, str(path))
+    elif fmt == "wan_original":
+        path = tmp_path / "wan_original.pth"
+        torch.save(original, path)
+    elif fmt == "diffusers_folder":
+        path = tmp_path / "transformer"
+        source.save_pretrained(path)
+    elif fmt == "diffusers":
+        path = tmp_path / "diffusers_keys.safetensors"
+        save_file(diffusers_sd, str(path))
+    return path
+
+
+def test_original_key_map_round_trips(source):
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    converted = convert_wan_transformer_to_diffusers(to_original_keys(source.state_dict()))
+    assert set(converted) == set(source.state_dict())
+
+
+@pytest.mark.parametrize("fmt", ["self_forcing", "krea", "comfyui", "wan_original", "diffusers_folder", "diffusers"])
+def test_format_round_trip(fmt, source, reference_output, tmp_path):
+    path = _write(fmt, source, tmp_path)
+    model, info = load_causal_wan(path, dtype=torch.float32)
+    assert info.format == fmt
+    assert info.config["num_layers"] == 2 and info.config["num_attention_heads"] == 2
+    if fmt == "self_forcing":
+        assert info.source_entry == "generator_ema"  # EMA weights, not the raw generator
+    x, expected = reference_output
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_safetensors_with_config_metadata(source, reference_output, tmp_path):
+    path = tmp_path / "toy.safetensors"
+    save_checkpoint(source, path, context_scheme="recompute_window")
+    model, info = load_causal_wan(path, dtype=torch.float32)
+    assert info.context_scheme == "recompute_window"
+    x, expected = reference_output
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_bf16_and_fp8_load(source, reference_output, tmp_path):
+    path = _write("krea", source, tmp_path)
+    x, expected = reference_output
+    bf16, _ = load_causal_wan(path, dtype=torch.bfloat16)
+    assert bf16.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    assert bf16.blocks[0].scale_shift_table.dtype == torch.float32  # modulation stays fp32
+    err_bf16 = (_output(bf16, x) - expected).abs().max().item()
+    fp8, info = load_causal_wan(path, dtype=torch.float32, fp8=True)
+    assert fp8.blocks[0].attn1.to_q.weight_fp8.dtype == torch.float8_e4m3fn
+    assert any("float8" in n for n in info.notes)
+    err_fp8 = (_output(fp8, x) - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert 0 < err_bf16 < 0.05 * scale and 0 < err_fp8 < 0.1 * scale
+
+
+def test_missing_key_names_file_and_key(source, tmp_path):
+    state = to_original_keys(source.state_dict())
+    del state["blocks.1.cross_attn.k.weight"]
+    path = tmp_path / "broken.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError) as err:
+        load_causal_wan(path)
+    assert "broken.safetensors" in str(err.value) and "blocks.1.attn2.to_k.weight" in str(err.value)
+
+
+def test_unexpected_key_and_wrong_shape(source, tmp_path):
+    state = dict(source.state_dict())
+    state["blocks.0.extra.weight"] = torch.zeros(3)
+    path = tmp_path / "extra.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError, match=r"unexpected keys.*blocks\.0\.extra\.weight"):
+        load_causal_wan(path)
+    state = dict(source.state_dict())
+    state["blocks.0.attn1.to_v.bias"] = torch.zeros(7)
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.attn1\.to_v\.bias.*shape"):
+        load_causal_wan(path)
+
+
+def test_corrupt_and_missing_files(tmp_path):
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(b"\x00\x01garbage" * 10)
+    with pytest.raises(CheckpointError, match="corrupt.safetensors"):
+        load_causal_wan(bad)
+    bad_pt = tmp_path / "corrupt.pt"
+    bad_pt.write_bytes(b"not a pickle at all")
+    with pytest.raises(CheckpointError, match="corrupt.pt"):
+        load_causal_wan(bad_pt)
+    with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
+        load_causal_wan(tmp_path / "nowhere.safetensors")
+    other = tmp_path / "unet.safetensors"
+    save_file({"conv_in.weight": torch.zeros(4, 4, 3, 3)}, str(other))
+    with pytest.raises(CheckpointError, match="not a Wan2.1 transformer"):
+        load_causal_wan(other)
+
+
+def test_pickle_with_code_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"x": Evil()}, path)
+    with pytest.raises(CheckpointError, match="weights_only"):
+        load_causal_wan(path)
+
+
+@pytest.mark.parametrize("name,heads,scheme", [("Wan2.1-T2V-1.3B", 12, "global_cache"), ("Wan2.1-T2V-14B", 40, "recompute_window")])
+def test_real_architectures_detected_from_shapes(name, heads, scheme, tmp_path):
+    with torch.device("meta"):
+        model = CausalWanTransformer3DModel(**wan_config(name))
+    config = _infer_config(model.state_dict(), tmp_path, None)
+    assert config == {k: v for k, v in wan_config(name).items()}
+    assert config["num_attention_heads"] == heads
+    n = sum(p.numel() for p in model.parameters())
+    assert (n / 1e9) == pytest.approx(1.42 if heads == 12 else 14.29, abs=0.05)
+
+
+def test_inspect_describes_file(source, tmp_path):
+    info = inspect_checkpoint(_write("self_forcing", source, tmp_path))
+    text = info.describe()
+    assert "self_forcing" in text and "generator_ema" in text and "global_cache" in text
+    json.dumps(info.to_dict())

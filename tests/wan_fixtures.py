@@ -1,0 +1,70 @@
+"""Tiny real-architecture Wan DiTs and writers for every checkpoint format the loader reads."""
+
+from __future__ import annotations
+
+import torch
+
+from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
+
+# diffusers -> original Wan key renames (the inverse of diffusers' convert_wan_transformer_to_diffusers).
+_TO_ORIGINAL = [
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn1", "self_attn"), ("attn2", "cross_attn"),
+    (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+    ("proj_out", "head.head"),
+    (".norm2.", ".norm__tmp."), (".norm3.", ".norm2."), (".norm__tmp.", ".norm3."),
+]
+
+
+def to_original_keys(state: dict) -> dict:
+    out = {}
+    for key, value in state.items():
+        new = key
+        for a, b in _TO_ORIGINAL:
+            new = new.replace(a, b)
+        if new == "scale_shift_table":
+            new = "head.modulation"
+        elif new.endswith(".scale_shift_table"):
+            new = new.replace(".scale_shift_table", ".modulation")
+        out[new] = value.clone()
+    return out
+
+
+def tiny_wan(seed: int = 0, **overrides) -> CausalWanTransformer3DModel:
+    """A 2-layer Wan2.1 DiT (width 256, 2 heads of 128) with every weight randomized."""
+    torch.manual_seed(seed)
+    model = CausalWanTransformer3DModel(**wan_config("tiny", **overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    return model.requires_grad_(False)
+
+
+def text_context(seed: int = 1, length: int = 512, prompt_tokens: int = 7, dim: int = 4096) -> torch.Tensor:
+    """A UMT5-like context: ``prompt_tokens`` nonzero rows, the rest zero padding."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.zeros(1, length, dim)
+    ctx[:, :prompt_tokens] = torch.randn(1, prompt_tokens, dim, generator=g) * 0.2
+    return ctx
+
+
+class PoolingAnchorEncoder:
+    """A deterministic stand-in for the VAE's single-frame encode (8x spatial pooling + channel map)."""
+
+    def __init__(self, channels: int = 16, seed: int = 3):
+        g = torch.Generator().manual_seed(seed)
+        self.proj = torch.randn(channels, 3, generator=g)
+        self.calls = 0
+
+    def encode_frame(self, pixels: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        pooled = torch.nn.functional.avg_pool2d(pixels.float(), 8)
+        return torch.einsum("oc,bchw->bohw", self.proj, pooled).unsqueeze(2)
