@@ -1,0 +1,362 @@
+"""The SDVG speculative loop: draft -> decode -> score -> route -> commit or regenerate.
+
+Per block (see :meth:`SpeculativePipeline.stream`, the whole loop on one screen):
+
+1. Block 0 (with ``force_first_block``) and every block in ``target_only`` mode: the target
+   generates it; the drafter never runs on it (the reference code drafts block 0 and throws it away).
+2. Otherwise the drafter generates the block from the block's noise, the VAE state is snapshotted,
+   the draft is decoded and scored per frame, and the router decides.
+3. Accept: the draft latents become context for both models and its decoded frames are kept.
+4. Reject: the VAE is restored, the target regenerates the block from the *same* noise (or, with
+   ``refine_from_step=k``, continues from the drafter's state after k steps), the result is decoded,
+   and both models take the target's block as context.
+
+Both models' context updates are lazy (see :mod:`sdvg_engine.context`), so an accepted draft costs
+the target nothing until the target next has to generate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .generator import BlockSample, CausalGenerator
+from .report import BlockRecord, ComponentTimer, build_report
+from .router import RandomRouter, RewardRouter, RouteDecision
+from .sampling import NoiseSource, SeededNoise
+
+MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random")
+TEXT_LEN = 512
+
+
+class GenerationCancelled(RuntimeError):
+    """Raised between model calls when a run is cancelled; the pipeline stays usable."""
+
+
+class CancelToken:
+    """Thread-safe enough cancel flag: ``cancel()`` from anywhere, checked before every model call."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class SDVGOptions:
+    """Routing options of one run (all JSON-serialisable; they go into the report).
+
+    mode: ``sdvg`` | ``target_only`` | ``draft_only`` | ``first_block_only`` | ``random``.
+    force_first_block: block 0 by the target (default on; ignored by ``draft_only``).
+    random_accept_prob: acceptance probability ``p`` of ``random`` mode.
+    refine_from_step: hybrid regeneration: on reject the target continues from the drafter's
+        state after this many steps (the reference's best is 3); ``None`` = full regeneration.
+    cascade: score ``cascade_frames`` evenly spaced frames first; with ``min`` aggregation a partial
+        minimum below tau rejects exactly; accept early only above ``tau + cascade_margin``.
+    """
+
+    mode: str = "sdvg"
+    force_first_block: bool = True
+    random_accept_prob: float = 0.73
+    refine_from_step: int | None = None
+    cascade: bool = False
+    cascade_frames: int = 4
+    cascade_margin: float = 0.5
+
+    def validate(self, router: RewardRouter | None) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "sdvg" and router is None:
+            raise ValueError("mode 'sdvg' needs a reward router (ImageReward); use another mode without one")
+        if not 0.0 <= self.random_accept_prob <= 1.0:
+            raise ValueError(f"random_accept_prob must be in [0, 1], got {self.random_accept_prob}")
+        if self.cascade and self.mode == "sdvg":
+            if router.aggregation != "min":
+                raise ValueError("cascade scoring is exact only with 'min' aggregation; set aggregation='min' or cascade=False")
+            if router.temporal_weight != 0.0:
+                raise ValueError("cascade scoring does not combine with a temporal weight; set one of them off")
+            if self.cascade_frames < 1 or self.cascade_margin < 0:
+                raise ValueError("cascade_frames must be >= 1 and cascade_margin >= 0")
+
+
+@dataclass
+class SDVGResult:
+    """Output of :meth:`SpeculativePipeline.generate`.
+
+    frames: ``[T, H, W, 3]`` float32 in 0..1 (CPU).
+    latents: ``[B, C, T_lat, h, w]`` float32, the final latents in the DiT's normalized space.
+    acceptance_mask: ``[T]`` float32, 1 where the frame comes from an accepted draft.
+    blocks: one :class:`BlockRecord` per block.
+    report: JSON-serialisable summary (see :func:`sdvg_engine.report.build_report`).
+    """
+
+    frames: torch.Tensor
+    latents: torch.Tensor
+    acceptance_mask: torch.Tensor
+    blocks: list[BlockRecord]
+    report: dict
+
+
+def video_frames_to_latent_frames(num_frames: int, frames_per_block: int = 3) -> int:
+    """Wan's 1 + 4k rule, with whole blocks: valid lengths are 12n - 3 (9, 21, ..., 81) for 3-frame blocks."""
+    latent = (num_frames - 1) // 4 + 1
+    if num_frames < 1 or (num_frames - 1) % 4 or latent % frames_per_block:
+        step = 4 * frames_per_block
+        lower = max(step - 3, ((num_frames + 3) // step) * step - 3)
+        raise ValueError(
+            f"num_frames={num_frames} does not fill whole blocks of {frames_per_block} latent frames; "
+            f"use {lower} or {lower + step} (valid: 1 + 4*(3n) - 4 = {step - 3}, {2 * step - 3}, ..., 81)"
+        )
+    return latent
+
+
+class SpeculativePipeline:
+    """Drafter + target + streaming VAE (+ router): generates videos block by block.
+
+    Args:
+        drafter, target: :class:`CausalGenerator` objects (their own schedules and context schemes).
+        vae: a :class:`sdvg_engine.vae.StreamingWanVAE` (anything with ``reset``, ``decode_block``,
+            ``snapshot``, ``restore``).
+        router: a :class:`RewardRouter` for ``sdvg`` mode (may be ``None`` for the other modes).
+    """
+
+    def __init__(self, drafter: CausalGenerator, target: CausalGenerator, vae, router: RewardRouter | None = None):
+        self.drafter, self.target, self.vae, self.router = drafter, target, vae, router
+        drafter.name, target.name = "drafter", "target"
+        self._check_compatible()
+
+    def _check_compatible(self) -> None:
+        d, t = self.drafter.model.config, self.target.model.config
+
+        def same(a, b):
+            return (tuple(a) if isinstance(a, (list, tuple)) else a) == (tuple(b) if isinstance(b, (list, tuple)) else b)
+
+        for key, what in (("in_channels", "latent channels"), ("out_channels", "output channels"),
+                          ("patch_size", "patch size"), ("text_dim", "text width")):
+            if not same(d[key], t[key]):
+                raise ValueError(
+                    f"drafter and target are not compatible: the drafter has {what} {d[key]}, the target {t[key]}. "
+                    "Both must be Wan2.1 text-to-video models sharing the VAE and text encoder."
+                )
+        if self.drafter.frames_per_block != self.target.frames_per_block:
+            raise ValueError(
+                f"drafter generates {self.drafter.frames_per_block} latent frames per block, "
+                f"the target {self.target.frames_per_block}; they must match"
+            )
+        z = getattr(self.vae, "latent_channels", d["in_channels"])
+        if z != d["in_channels"]:
+            raise ValueError(f"the VAE has {z} latent channels but the models use {d['in_channels']}; use the Wan2.1 VAE")
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def stream(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
+               height: int = 480, seed: int = 42, options: SDVGOptions | None = None,
+               noise: NoiseSource | None = None, cancel: CancelToken | None = None,
+               before_call: Callable[[str, str], None] | None = None) -> Iterator[BlockRecord]:
+        """Yield one :class:`BlockRecord` per block as soon as it is final. See :meth:`generate`."""
+        opts = options or SDVGOptions()
+        run = self._begin(prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call)
+        for b in range(run.num_blocks):
+            use_target = opts.mode == "target_only" or (b == 0 and opts.force_first_block and opts.mode != "draft_only")
+            block_seconds = dict(run.timer.seconds)
+            if use_target:
+                record = self._target_block(run, b, drafted=False, decision=None)
+            else:
+                draft = self._timed(run, "drafter", lambda: self.drafter.generate_block(b, run.noise))
+                vae_before = self.vae.snapshot()
+                pixels = self._timed(run, "vae", lambda: self.vae.decode_block(draft.latents))
+                decision = self._route(run, b, pixels)
+                if decision is None or decision.accept:
+                    record = self._commit(run, b, draft.latents, pixels, source="draft", drafted=True, decision=decision)
+                else:
+                    self.vae.restore(vae_before)
+                    record = self._target_block(run, b, drafted=True, decision=decision, draft=draft)
+            record.seconds = {k: v - block_seconds.get(k, 0.0) for k, v in run.timer.seconds.items() if v - block_seconds.get(k, 0.0) > 0}
+            record.seconds["vae_kept"] = run.last_decode_seconds
+            run.records.append(record)
+            yield record
+        run.finished = True
+
+    def generate(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
+                 height: int = 480, seed: int = 42, options: SDVGOptions | None = None,
+                 noise: NoiseSource | None = None, cancel: CancelToken | None = None,
+                 before_call: Callable[[str, str], None] | None = None,
+                 on_block: Callable[[BlockRecord], None] | None = None) -> SDVGResult:
+        """Generate one video.
+
+        Args:
+            prompt_embeds: UMT5-XXL context ``[1, L, 4096]`` (zero padded; padded to 512 if shorter).
+            prompt: the prompt text, for the reward model.
+            num_frames: video frames, ``12n - 3`` (81 = 7 blocks of 3 latent frames).
+            width, height: pixels, multiples of 16.
+            seed: noise seed; block ``b`` uses noise keyed by ``(seed, b, step)``.
+            options: :class:`SDVGOptions` (mode, hybrid, cascade ...).
+            noise: explicit noise source (overrides ``seed``).
+            cancel: a :class:`CancelToken`; checked before every model, VAE and reward call.
+            before_call: ``f(component, kind)`` called before every model call (raise to cancel).
+            on_block: called with each :class:`BlockRecord` as soon as its block is final.
+        """
+        started = time.perf_counter()
+        records = []
+        for record in self.stream(prompt_embeds, prompt=prompt, num_frames=num_frames, width=width, height=height,
+                                  seed=seed, options=options, noise=noise, cancel=cancel, before_call=before_call):
+            records.append(record)
+            if on_block is not None:
+                on_block(record)
+        return self._finish(records, time.perf_counter() - started)
+
+    # ---- steps of the loop --------------------------------------------------------------------------
+    def _target_block(self, run, b, *, drafted: bool, decision: RouteDecision | None, draft: BlockSample | None = None):
+        refine = run.options.refine_from_step
+        if draft is not None and refine is not None:
+            # Hybrid regeneration: continue from the drafter's noisy state at its step `refine`.
+            state = draft.states[refine - draft.first_step]
+            first = self.target.step_index(self.drafter.schedule.timesteps[refine])
+            sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise, first_step=first, start_latents=state))
+        else:
+            sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise))
+        pixels = self._timed(run, "vae", lambda: self.vae.decode_block(sample.latents))
+        return self._commit(run, b, sample.latents, pixels, source="target", drafted=drafted, decision=decision)
+
+    def _route(self, run, b, pixels) -> RouteDecision | None:
+        """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
+        mode = run.options.mode
+        if mode in ("draft_only", "first_block_only"):
+            return None
+        if mode == "random":
+            return run.random_router.decide_block(b)
+        frames = ((pixels[0].transpose(0, 1).float() + 1.0) / 2.0).clamp(0, 1)  # [T, 3, H, W] in 0..1
+        return self._timed(run, "reward", lambda: self._score(run, frames))
+
+    def _score(self, run, frames: torch.Tensor) -> RouteDecision:
+        router, opts = self.router, run.options
+        if not opts.cascade or frames.shape[0] <= opts.cascade_frames:
+            decision, scores = router.judge(frames, run.prompt_features, previous_features=run.previous_features)
+            run.pending_features = scores.image_features[-1]
+            return decision
+        first = torch.linspace(0, frames.shape[0] - 1, opts.cascade_frames).round().long().unique()
+        partial = router.scorer.score_frames(frames[first], run.prompt_features, crop=router.crop).scores
+        partial_min = float(partial.min())
+        if partial_min < router.tau or partial_min >= router.tau + opts.cascade_margin:
+            # Below tau: the full minimum can only be lower, so this rejection is exact.
+            return router.decide(partial)
+        rest = torch.tensor([i for i in range(frames.shape[0]) if i not in set(first.tolist())])
+        remaining = router.scorer.score_frames(frames[rest], run.prompt_features, crop=router.crop).scores
+        return router.decide(torch.cat([partial, remaining]))
+
+    def _commit(self, run, b, latents, pixels, *, source, drafted, decision) -> BlockRecord:
+        for gen in run.active:
+            gen.commit_block(b, latents, pixels)
+        run.last_decode_seconds = run.timer.last_vae_seconds
+        if run.pending_features is not None and source == "draft":
+            run.previous_features = run.pending_features
+        elif self.router is not None and self.router.temporal_weight != 0.0:
+            last = ((pixels[0, :, -1:].transpose(0, 1).float() + 1.0) / 2.0).clamp(0, 1)
+            run.previous_features = self._timed(
+                run, "reward", lambda: self.router.scorer.score_frames(last, run.prompt_features, crop=self.router.crop).image_features[-1])
+        run.pending_features = None
+        frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) / 2.0).clamp(0, 1).cpu()
+        f0 = run.video_frames
+        run.video_frames += frames.shape[0]
+        run.latents.append(latents.float().cpu())
+        run.mask.append(torch.full((frames.shape[0],), 1.0 if source == "draft" else 0.0))
+        run.frames.append(frames)
+        fpb = self.target.frames_per_block
+        return BlockRecord(index=b, source=source, drafted=drafted, decision=decision,
+                           latent_frames=(b * fpb, (b + 1) * fpb), video_frames=(f0, run.video_frames), frames=frames)
+
+    def _timed(self, run, component: str, fn):
+        run.check_cancel(component, "call")
+        device = self.target.model.device if component != "drafter" else self.drafter.model.device
+        if component == "vae":
+            device = self.vae.device
+        with run.timer.measure(component, device):
+            began = time.perf_counter()
+            out = fn()
+        if component == "vae":
+            run.timer.last_vae_seconds = time.perf_counter() - began
+        return out
+
+    # ---- setup and results --------------------------------------------------------------------------
+    def _begin(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call):
+        opts.validate(self.router)
+        if width % 16 or height % 16 or width <= 0 or height <= 0:
+            raise ValueError(f"width and height must be positive multiples of 16, got {width}x{height}")
+        fpb = self.target.frames_per_block
+        num_blocks = video_frames_to_latent_frames(num_frames, fpb) // fpb
+        if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != 1:
+            raise ValueError(f"text context must be [1, L, {self.target.model.config.text_dim}], got {tuple(prompt_embeds.shape)}")
+        if prompt_embeds.shape[1] < TEXT_LEN:  # the reference pads UMT5 output to 512 rows
+            prompt_embeds = torch.nn.functional.pad(prompt_embeds, (0, 0, 0, TEXT_LEN - prompt_embeds.shape[1]))
+        if opts.refine_from_step is not None:
+            steps = self.drafter.schedule.num_steps
+            if not 1 <= opts.refine_from_step < steps:
+                raise ValueError(f"refine_from_step must be in 1..{steps - 1} for the drafter's {steps}-step schedule")
+            self.target.step_index(self.drafter.schedule.timesteps[opts.refine_from_step])
+
+        run = _Run(options=opts, num_blocks=num_blocks, noise=noise or SeededNoise(seed), cancel=cancel,
+                   before_call=before_call, prompt=prompt, seed=seed, width=width, height=height, num_frames=num_frames)
+        uses_drafter = opts.mode != "target_only"
+        uses_target = opts.mode != "draft_only"
+        run.active = [g for g, used in ((self.drafter, uses_drafter), (self.target, uses_target)) if used]
+        for gen in (self.drafter, self.target):
+            gen.before_call = run.check_cancel
+        h, w = height // 8, width // 8
+        for gen in run.active:
+            gen.start(prompt_embeds, latent_height=h, latent_width=w, num_blocks=num_blocks)
+        self.vae.reset()
+        if opts.mode == "sdvg":
+            run.prompt_features = self.router.scorer.encode_prompt(prompt)
+        if opts.mode == "random":
+            run.random_router = RandomRouter(opts.random_accept_prob, seed)
+        self._run = run
+        return run
+
+    def _finish(self, records: list[BlockRecord], wall: float) -> SDVGResult:
+        run = self._run
+        target_generated = sum(r.source == "target" for r in records)
+        target_seconds = run.timer.seconds.get("target", 0.0)
+        settings = {
+            **asdict(run.options), "seed": run.seed, "num_frames": run.num_frames, "width": run.width, "height": run.height,
+            "prompt": run.prompt, "drafter_schedule": self.drafter.schedule.name, "target_schedule": self.target.schedule.name,
+            "drafter_context": self.drafter.context.name, "target_context": self.target.context.name,
+        }
+        if self.router is not None:
+            settings.update(tau=self.router.tau if math.isfinite(self.router.tau) else str(self.router.tau),
+                            aggregation=self.router.aggregation, crop=self.router.crop, temporal_weight=self.router.temporal_weight)
+        report = build_report(
+            settings=settings, blocks=records, wall_seconds=wall, timer=run.timer,
+            calls={g.name: dict(g.calls) for g in (self.drafter, self.target)},
+            target_block_seconds=target_seconds / target_generated if target_generated else None,
+            memory={"drafter_kv_cache_bytes": self.drafter.kv_cache_bytes, "target_kv_cache_bytes": self.target.kv_cache_bytes},
+        )
+        return SDVGResult(frames=torch.cat(run.frames), latents=torch.cat(run.latents, dim=2),
+                          acceptance_mask=torch.cat(run.mask), blocks=records, report=report)
+
+
+class _Run:
+    """Mutable state of one generation (so the pipeline object itself holds no half-run state)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+        self.timer = ComponentTimer()
+        self.timer.last_vae_seconds = 0.0
+        self.last_decode_seconds = 0.0
+        self.records, self.frames, self.latents, self.mask = [], [], [], []
+        self.video_frames = 0
+        self.prompt_features = None
+        self.random_router = None
+        self.previous_features = None
+        self.pending_features = None
+        self.active = []
+        self.finished = False
+
+    def check_cancel(self, component: str, kind: str) -> None:
+        if self.cancel is not None and self.cancel.cancelled:
+            raise GenerationCancelled(f"generation cancelled before a {component} {kind}")
+        if self.before_call is not None:
+            self.before_call(component, kind)

@@ -1,0 +1,113 @@
+"""Per-block records, timings and the JSON report of one speculative run."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from .router import RouteDecision
+
+COMPONENTS = ("drafter", "target", "vae", "reward")
+
+
+class ComponentTimer:
+    """Wall time per component. Synchronizes CUDA around each measured call so the time is the call's own."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    @contextmanager
+    def measure(self, component: str, device: torch.device | None = None):
+        sync = device is not None and device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if sync:
+                torch.cuda.synchronize(device)
+            self.seconds[component] += time.perf_counter() - began
+            self.calls[component] += 1
+
+
+@dataclass
+class BlockRecord:
+    """What happened to one block, streamed to callbacks as soon as the block is final.
+
+    Attributes:
+        index: block number (0-based).
+        source: ``"draft"`` if the drafter's block was kept, ``"target"`` otherwise.
+        drafted: whether the drafter ran on this block at all.
+        decision: the router's decision for a drafted block (``None`` when not drafted).
+        latent_frames: ``(first, end)`` latent frame range of the block in the video.
+        video_frames: ``(first, end)`` pixel frame range of the block in the video.
+        frames: the block's decoded frames ``[T, H, W, 3]`` float 0..1 on CPU (for previews).
+        seconds: time spent on this block per component.
+    """
+
+    index: int
+    source: str
+    drafted: bool
+    decision: RouteDecision | None
+    latent_frames: tuple[int, int]
+    video_frames: tuple[int, int]
+    frames: torch.Tensor | None = None
+    seconds: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {
+            "index": self.index, "source": self.source, "drafted": self.drafted,
+            "latent_frames": list(self.latent_frames), "video_frames": list(self.video_frames),
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+        }
+        d["decision"] = None if self.decision is None else self.decision.to_dict()
+        return d
+
+
+def _finite(x):
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, timer: ComponentTimer,
+                 wall_seconds: float, target_block_seconds: float | None, memory: dict) -> dict:
+    """The JSON-serialisable summary of a run.
+
+    ``speedup_vs_target`` estimates what an all-target run would have cost from the per-call times
+    measured in this run (target seconds per generated block x blocks + the decode of every kept
+    block), divided by this run's wall time.
+    """
+    drafted = [b for b in blocks if b.drafted]
+    accepted = [b for b in drafted if b.source == "draft"]
+    later = blocks[1:]
+    decode_kept = sum(b.seconds.get("vae_kept", 0.0) for b in blocks)
+    estimate = None if target_block_seconds is None else target_block_seconds * len(blocks) + decode_kept
+    seconds = {c: round(timer.seconds.get(c, 0.0), 6) for c in COMPONENTS}
+    inside = sum(timer.seconds.get(c, 0.0) for c in COMPONENTS)
+    return {
+        "settings": settings,
+        "num_blocks": len(blocks),
+        "blocks": [b.to_dict() for b in blocks],
+        "draft_scores": [_finite(b.decision.block_score) if b.decision else None for b in blocks],
+        "decisions": [b.source for b in blocks],
+        "acceptance": {
+            "drafted_blocks": len(drafted),
+            "accepted_blocks": len(accepted),
+            "rate_of_drafted": len(accepted) / len(drafted) if drafted else None,
+            # The reference counts over all blocks with block 0 as a reject; we report both.
+            "rate_after_first_block": sum(b.source == "draft" for b in later) / len(later) if later else None,
+            "rate_all_blocks": len(accepted) / len(blocks) if blocks else None,
+        },
+        "model_calls": calls,
+        "seconds": {**seconds, "wall": round(wall_seconds, 6), "outside_components": round(wall_seconds - inside, 6)},
+        "loop_overhead_fraction": (wall_seconds - inside) / wall_seconds if wall_seconds > 0 else None,
+        "estimated_target_only_seconds": None if estimate is None else round(estimate, 6),
+        "speedup_vs_target": None if estimate is None or wall_seconds <= 0 else estimate / wall_seconds,
+        "memory": memory,
+    }

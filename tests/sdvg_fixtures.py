@@ -1,0 +1,51 @@
+"""A complete tiny SDVG stack: two real-architecture Wan DiTs, a real (tiny) Wan VAE and ImageReward."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKLWan
+
+from sdvg_engine.context import GlobalCache, RecomputeWindow
+from sdvg_engine.generator import CausalGenerator
+from sdvg_engine.pipeline import SpeculativePipeline
+from sdvg_engine.reward import build_tiny_image_reward
+from sdvg_engine.router import RewardRouter
+from sdvg_engine.vae import StreamingWanVAE
+from wan_fixtures import tiny_wan
+
+WIDTH, HEIGHT = 48, 32  # latent 6 x 4
+
+
+def tiny_vae(seed: int = 0) -> StreamingWanVAE:
+    torch.manual_seed(seed)
+    return StreamingWanVAE(AutoencoderKLWan(base_dim=8, z_dim=16).eval().requires_grad_(False))
+
+
+_SHARED = {}
+
+
+def shared_parts():
+    """Models are read-only in use; build them once per test session."""
+    if not _SHARED:
+        _SHARED.update(drafter=tiny_wan(seed=1), target=tiny_wan(seed=2), vae=tiny_vae(), scorer=build_tiny_image_reward(seed=0))
+    return _SHARED
+
+
+def tiny_pipeline(*, tau: float = 0.0, aggregation: str = "min", target_scheme: str = "global_cache",
+                  target_schedule: str = "self_forcing", temporal_weight: float = 0.0) -> SpeculativePipeline:
+    parts = shared_parts()
+    drafter = CausalGenerator(parts["drafter"], schedule="self_forcing", context=GlobalCache(21))
+    if target_scheme == "global_cache":
+        target_context = GlobalCache(21)
+    else:
+        target_context = RecomputeWindow(3, anchor_encoder=parts["vae"])
+    target = CausalGenerator(parts["target"], schedule=target_schedule, context=target_context)
+    router = RewardRouter(parts["scorer"], tau=tau, aggregation=aggregation, temporal_weight=temporal_weight)
+    return SpeculativePipeline(drafter, target, parts["vae"], router)
+
+
+def prompt_embeds(seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.zeros(1, 512, 4096)
+    ctx[:, :6] = torch.randn(1, 6, 4096, generator=g) * 0.2
+    return ctx
