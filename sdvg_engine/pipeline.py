@@ -129,6 +129,10 @@ class SpeculativePipeline:
         self.drafter, self.target, self.vae, self.router = drafter, target, vae, router
         drafter.name, target.name = "drafter", "target"
         self._check_compatible()
+        # A recompute-window model re-encodes its anchor frame with the pipeline's VAE.
+        for gen in (drafter, target):
+            if hasattr(gen.context, "anchor_encoder") and gen.context.anchor_encoder is None:
+                gen.context.anchor_encoder = vae
 
     def _check_compatible(self) -> None:
         d, t = self.drafter.model.config, self.target.model.config

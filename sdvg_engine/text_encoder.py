@@ -1,0 +1,143 @@
+"""UMT5-XXL prompt encoding (Wan2.1's text encoder) and the prompt-embeddings file.
+
+Wan encodes a prompt with the UMT5-XXL *encoder*, padded/truncated to 512 tokens, and zeroes the
+rows past the prompt's length: ``[1, 512, 4096]``. Both the drafter and the target read the same
+context, so a prompt is encoded once.
+
+Sources this module reads, all local (nothing is downloaded; a missing file is an error):
+* a transformers folder (``config.json`` + weights + tokenizer files), e.g. ``google/umt5-xxl``
+  saved locally;
+* ComfyUI's ``umt5_xxl_*.safetensors`` (HF T5 key names; ``*_fp8_scaled`` files are dequantized)
+  together with a local tokenizer folder.
+
+The embeddings file written by ``sdvg encode-prompts`` is a safetensors file with one tensor
+``context.<i>`` per prompt (``[1, 512, 4096]``) and the prompts in the metadata, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+TEXT_LEN = 512
+EMBEDDINGS_FORMAT = "sdvg.prompt_embeddings.v1"
+
+#: google/umt5-xxl encoder configuration (the part Wan uses).
+UMT5_XXL_CONFIG = dict(
+    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0,
+    layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+    tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+)
+
+
+# ---- embeddings files -------------------------------------------------------------------------------
+def save_prompt_embeddings(path: str | os.PathLike, prompts: list[str], contexts: list[torch.Tensor]) -> None:
+    """Write prompts and their contexts (each ``[1, L, 4096]``) to one safetensors file."""
+    from safetensors.torch import save_file
+
+    if len(prompts) != len(contexts) or not prompts:
+        raise ValueError(f"need one context per prompt, got {len(prompts)} prompts and {len(contexts)} contexts")
+    tensors = {}
+    for i, ctx in enumerate(contexts):
+        if ctx.ndim != 3 or ctx.shape[0] != 1:
+            raise ValueError(f"context {i} must be [1, L, D], got {tuple(ctx.shape)}")
+        tensors[f"context.{i}"] = ctx.detach().to("cpu").contiguous()
+    save_file(tensors, str(path), metadata={"format": EMBEDDINGS_FORMAT, "prompts": json.dumps(prompts)})
+
+
+def load_prompt_embeddings(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
+    """Read a file written by :func:`save_prompt_embeddings`: ``[(prompt, context [1, L, 4096]), ...]``."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt embeddings file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != EMBEDDINGS_FORMAT:
+                raise ValueError(f"{path}: not an SDVG prompt-embeddings file (write one with `sdvg encode-prompts`)")
+            prompts = json.loads(meta["prompts"])
+            return [(p, f.get_tensor(f"context.{i}")) for i, p in enumerate(prompts)]
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+# ---- the encoder ----------------------------------------------------------------------------------------
+class UMT5TextEncoder:
+    """UMT5 encoder + tokenizer producing Wan contexts ``[1, 512, d_model]`` with zeroed padding rows."""
+
+    def __init__(self, model, tokenizer, text_len: int = TEXT_LEN):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.text_len = text_len
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def encode(self, prompt: str) -> torch.Tensor:
+        tokens = self.tokenizer(prompt, padding="max_length", truncation=True, max_length=self.text_len,
+                                add_special_tokens=True, return_tensors="pt")
+        ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        # Wan keeps only the prompt's rows and pads with zeros (not the encoder's padding outputs).
+        return (hidden * mask[..., None]).cpu()
+
+
+def _read_tokenizer(tokenizer_dir: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = Path(tokenizer_dir)
+    if not tokenizer_dir.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer folder not found: {tokenizer_dir} (a local copy of google/umt5-xxl's tokenizer files: "
+            "tokenizer.json or spiece.model with tokenizer_config.json)"
+        )
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+def load_text_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None, device="cpu",
+                      dtype=torch.bfloat16) -> UMT5TextEncoder:
+    """Load UMT5 from a transformers folder or a ComfyUI ``umt5_xxl_*.safetensors`` (+ ``tokenizer`` folder)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"text encoder not found: {path}")
+    if path.is_dir():
+        model = UMT5EncoderModel.from_pretrained(str(path), local_files_only=True, torch_dtype=dtype)
+        return UMT5TextEncoder(model.to(device), _read_tokenizer(tokenizer or path))
+    if tokenizer is None:
+        raise ValueError(f"{path}: a single-file text encoder needs a tokenizer folder (--tokenizer)")
+    from safetensors.torch import load_file
+
+    state = {k: v for k, v in load_file(str(path)).items() if k != "scaled_fp8"}
+    for key in [k for k in state if k.endswith(".scale_weight")]:  # ComfyUI *_fp8_scaled files
+        weight_key = key[: -len(".scale_weight")] + ".weight"
+        state[weight_key] = state[weight_key].float() * state.pop(key).float()
+    layers = {int(k.split(".")[2]) for k in state if k.startswith("encoder.block.")}
+    if not layers or "shared.weight" not in state:
+        raise ValueError(f"{path}: no 'shared.weight' / 'encoder.block.*' keys; this is not a UMT5/T5 encoder file")
+    config = dict(UMT5_XXL_CONFIG, num_layers=max(layers) + 1)
+    config.update(vocab_size=state["shared.weight"].shape[0], d_model=state["shared.weight"].shape[1])
+    inner = state["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0]
+    if inner != config["num_heads"] * config["d_kv"]:  # not XXL: UMT5 keeps 64-wide heads
+        config.update(d_kv=64, num_heads=inner // 64)
+    config["d_ff"] = state["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0]
+    with torch.device("meta"):
+        model = UMT5EncoderModel(UMT5Config(**config))
+    expected = set(model.state_dict())
+    state = {k: v for k, v in state.items() if k in expected or not k.startswith("decoder.")}
+    if "encoder.embed_tokens.weight" in expected and "encoder.embed_tokens.weight" not in state and "shared.weight" in state:
+        state["encoder.embed_tokens.weight"] = state["shared.weight"]
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{path}: UMT5 encoder keys do not match; missing {missing[:10]}, unexpected {unexpected[:10]}")
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
+    return UMT5TextEncoder(model, _read_tokenizer(tokenizer))

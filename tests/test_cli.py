@@ -1,0 +1,71 @@
+"""`sdvg inspect / generate / encode-prompts` on tiny real checkpoint files."""
+
+import json
+
+import pytest
+import torch
+
+from sdvg_engine.cli import main
+from sdvg_engine.models.loading import save_checkpoint
+from sdvg_engine.text_encoder import load_prompt_embeddings, save_prompt_embeddings
+from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    parts = shared_parts()
+    save_checkpoint(parts["drafter"], root / "drafter.safetensors", context_scheme="global_cache")
+    save_checkpoint(parts["target"], root / "target.safetensors", context_scheme="global_cache")
+    parts["vae"].vae.save_pretrained(root / "vae")
+    save_prompt_embeddings(root / "embeds.safetensors", ["a red ball", "a blue cube"], [prompt_embeds(1), prompt_embeds(2)])
+    return root
+
+
+def test_inspect_prints_format_and_architecture(files, capsys):
+    assert main(["inspect", str(files / "drafter.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "format:         diffusers" in out and "context scheme: global_cache" in out and "custom Wan2.1" in out
+    assert main(["inspect", "--json", str(files / "target.safetensors")]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["num_layers"] == 2
+
+
+def test_inspect_missing_file_is_an_error(files, capsys):
+    assert main(["inspect", str(files / "nope.pt")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_embeddings_file_round_trip(files):
+    pairs = load_prompt_embeddings(files / "embeds.safetensors")
+    assert [p for p, _ in pairs] == ["a red ball", "a blue cube"]
+    assert torch.equal(pairs[1][1], prompt_embeds(2))
+
+
+@pytest.mark.parametrize("mode", ["target_only", "random"])
+def test_generate_writes_videos_masks_and_report(files, tmp_path, mode, capsys):
+    out = tmp_path / "out"
+    code = main(["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+                 "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--mode", mode,
+                 "--frames", "21", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
+                 "--format", "webp", "--out", str(out)])
+    assert code == 0
+    assert (out / "video_000.webp").stat().st_size > 0 and (out / "video_001.webp").exists()
+    assert (out / "mask_000.png").exists()
+    reports = json.loads((out / "report.json").read_text())
+    assert len(reports) == 2 and reports[0]["settings"]["mode"] == mode and reports[0]["num_blocks"] == 2
+    err = capsys.readouterr().err
+    assert "block 2/2" in err
+
+
+def test_generate_sdvg_without_reward_is_refused(files, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="needs --reward"):
+        main(["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+              "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--frames", "21",
+              "--width", str(WIDTH), "--height", str(HEIGHT), "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_generate_rejects_bad_frame_count(files, tmp_path, capsys):
+    code = main(["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+                 "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--frames", "20",
+                 "--mode", "target_only", "--device", "cpu", "--out", str(tmp_path)])
+    assert code == 2 and "whole blocks" in capsys.readouterr().err
