@@ -205,6 +205,73 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# ---- bench -------------------------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    from . import bench
+    from .router import RewardRouter
+
+    rank, world = bench.distributed_context()
+    if not args.reward:
+        raise SystemExit("sdvg bench needs --reward (ImageReward scores both the routing and the evaluation)")
+    taus = [float(t) for t in args.taus.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    pairs = _contexts(args)
+    contexts = dict(pairs)
+    args.mode, args.tau = "sdvg", taus[0]  # the router is rebuilt per run with that run's tau
+    pipe = build_pipeline(args)
+    scorer = pipe.router.scorer
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = bench.runs_for([p for p, _ in pairs], taus, modes, args.seed)
+    mine = bench.shard(runs, rank, world)
+    my_file = bench.shard_path(out, rank) if world > 1 else out
+    done = bench.read_done([out, my_file])
+    factory = lambda tau: RewardRouter(scorer, tau=tau, aggregation=args.aggregation, crop=args.crop,
+                                       temporal_weight=args.temporal_weight)
+    ran = bench.bench_rows(pipe, scorer, contexts, mine, num_frames=args.frames, width=args.width, height=args.height,
+                           out_file=my_file, done=done, router_factory=factory, log=_print_err)
+    _print_err(f"rank {rank}/{world}: ran {ran} videos, skipped {len(mine) - ran} already in {out}")
+    bench.barrier(world)
+    if rank == 0:
+        rows = bench.merge_shards(out, world)
+        summary = bench.summarize(rows)
+        print(bench.format_table(summary))
+        plot = bench.pareto_plot(summary, Path(args.plot) if args.plot else out.with_suffix(".png"))
+        print(f"\n{len(rows)} videos in {out}; Pareto plot {plot}")
+    bench.barrier(world)
+    return 0
+
+
+def _add_model_args(p, *, reward_required: bool = False) -> None:
+    p.add_argument("--drafter", required=True, help="drafter checkpoint (e.g. self_forcing_dmd.pt)")
+    p.add_argument("--target", required=True, help="target checkpoint (e.g. krea-realtime-video-14b.safetensors)")
+    p.add_argument("--vae", required=True, help="Wan2.1 VAE (Wan2.1_VAE.pth, wan_2.1_vae.safetensors or a diffusers folder)")
+    p.add_argument("--reward", required=reward_required, help="ImageReward.pt (needed for --mode sdvg)")
+    p.add_argument("--prompt")
+    p.add_argument("--prompts-file")
+    p.add_argument("--context-file", help="embeddings written by `sdvg encode-prompts` (skips the text encoder)")
+    p.add_argument("--text-encoder")
+    p.add_argument("--tokenizer")
+    p.add_argument("--aggregation", choices=("min", "mean"), default="min")
+    p.add_argument("--crop", choices=("center", "full"), default="center")
+    p.add_argument("--temporal-weight", type=float, default=0.0)
+    p.add_argument("--frames", type=int, default=81, help="video frames: 12n-3 (81 = 7 blocks)")
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--drafter-device", default=None, help="put the drafter on another device")
+    p.add_argument("--aux-device", default=None, help="device for the VAE, reward and text encoder")
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
+    p.add_argument("--vae-dtype", default="fp32")
+    p.add_argument("--fp8-target", action="store_true", help="store the target's block weights in float8")
+    p.add_argument("--drafter-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
+    p.add_argument("--target-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
+    p.add_argument("--target-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
+    p.add_argument("--attention-bias", type=float, default=None, help="Scope's KV bias for recompute-window models (0.3)")
+    p.add_argument("--max-frames", type=int, default=21, help="global-cache capacity in latent frames")
+
+
 # ---- parser ---------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from .pipeline import MODES
@@ -229,43 +296,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_encode_prompts)
 
     p = sub.add_parser("generate", help="generate videos with SDVG (or a baseline mode)")
-    p.add_argument("--drafter", required=True, help="drafter checkpoint (e.g. self_forcing_dmd.pt)")
-    p.add_argument("--target", required=True, help="target checkpoint (e.g. krea-realtime-video-14b.safetensors)")
-    p.add_argument("--vae", required=True, help="Wan2.1 VAE (Wan2.1_VAE.pth, wan_2.1_vae.safetensors or a diffusers folder)")
-    p.add_argument("--reward", help="ImageReward.pt (needed for --mode sdvg)")
-    p.add_argument("--prompt")
-    p.add_argument("--prompts-file")
-    p.add_argument("--context-file", help="embeddings written by `sdvg encode-prompts` (skips the text encoder)")
-    p.add_argument("--text-encoder")
-    p.add_argument("--tokenizer")
+    _add_model_args(p)
     p.add_argument("--tau", type=float, default=-0.7, help="acceptance threshold on the block's reward (default -0.7)")
     p.add_argument("--mode", choices=MODES, default="sdvg")
-    p.add_argument("--aggregation", choices=("min", "mean"), default="min")
-    p.add_argument("--crop", choices=("center", "full"), default="center")
-    p.add_argument("--temporal-weight", type=float, default=0.0)
     p.add_argument("--force-first-block", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--random-p", type=float, default=0.73, help="acceptance probability of --mode random")
     p.add_argument("--refine-from-step", type=int, default=None, help="hybrid regeneration from the drafter's step k")
     p.add_argument("--cascade", action="store_true", help="cascade scoring (4 frames first)")
-    p.add_argument("--frames", type=int, default=81, help="video frames: 12n-3 (81 = 7 blocks)")
-    p.add_argument("--width", type=int, default=832)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--drafter-device", default=None, help="put the drafter on another device")
-    p.add_argument("--aux-device", default=None, help="device for the VAE, reward and text encoder")
-    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
-    p.add_argument("--vae-dtype", default="fp32")
-    p.add_argument("--fp8-target", action="store_true", help="store the target's block weights in float8")
-    p.add_argument("--drafter-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
-    p.add_argument("--target-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
-    p.add_argument("--target-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
-    p.add_argument("--attention-bias", type=float, default=None, help="Scope's KV bias for recompute-window models (0.3)")
-    p.add_argument("--max-frames", type=int, default=21, help="global-cache capacity in latent frames")
     p.add_argument("--out", default="outputs")
     p.add_argument("--format", choices=("mp4", "webp"), default=None)
     p.add_argument("--report", default=None, help="report JSON path (default OUT/report.json)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="prompts x tau values x modes -> resumable JSONL, summary table, Pareto plot "
+                                     "(shards prompts across ranks under torchrun)")
+    _add_model_args(p, reward_required=True)
+    p.add_argument("--taus", default="-0.7,-1.0,-1.5,-2.0", help="comma-separated tau values for sdvg mode; write --taus=-0.7,-1.5 (with =) so the minus sign is not read as an option")
+    p.add_argument("--modes", default="sdvg,target_only,draft_only,first_block_only,random",
+                   help="comma-separated modes")
+    p.add_argument("--out", default="bench_results.jsonl")
+    p.add_argument("--plot", default=None, help="Pareto PNG (default: OUT with .png)")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -49,3 +49,18 @@ def prompt_embeds(seed: int = 1) -> torch.Tensor:
     ctx = torch.zeros(1, 512, 4096)
     ctx[:, :6] = torch.randn(1, 6, 4096, generator=g) * 0.2
     return ctx
+
+
+def write_checkpoint_files(root):
+    """Tiny drafter/target/VAE/reward files and a prompt-embeddings file, as users would have them."""
+    from sdvg_engine.models.loading import save_checkpoint
+    from sdvg_engine.reward import save_image_reward
+    from sdvg_engine.text_encoder import save_prompt_embeddings
+
+    parts = shared_parts()
+    save_checkpoint(parts["drafter"], root / "drafter.safetensors", context_scheme="global_cache")
+    save_checkpoint(parts["target"], root / "target.safetensors", context_scheme="global_cache")
+    parts["vae"].vae.save_pretrained(root / "vae")
+    save_image_reward(parts["scorer"], root / "ImageReward.safetensors")
+    save_prompt_embeddings(root / "embeds.safetensors", ["a red ball", "a blue cube"], [prompt_embeds(1), prompt_embeds(2)])
+    return root

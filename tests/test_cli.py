@@ -6,20 +6,13 @@ import pytest
 import torch
 
 from sdvg_engine.cli import main
-from sdvg_engine.models.loading import save_checkpoint
-from sdvg_engine.text_encoder import load_prompt_embeddings, save_prompt_embeddings
-from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts
+from sdvg_engine.text_encoder import load_prompt_embeddings
+from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, write_checkpoint_files
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    parts = shared_parts()
-    save_checkpoint(parts["drafter"], root / "drafter.safetensors", context_scheme="global_cache")
-    save_checkpoint(parts["target"], root / "target.safetensors", context_scheme="global_cache")
-    parts["vae"].vae.save_pretrained(root / "vae")
-    save_prompt_embeddings(root / "embeds.safetensors", ["a red ball", "a blue cube"], [prompt_embeds(1), prompt_embeds(2)])
-    return root
+    return write_checkpoint_files(tmp_path_factory.mktemp("ckpt"))
 
 
 def test_inspect_prints_format_and_architecture(files, capsys):
@@ -41,11 +34,12 @@ def test_embeddings_file_round_trip(files):
     assert torch.equal(pairs[1][1], prompt_embeds(2))
 
 
-@pytest.mark.parametrize("mode", ["target_only", "random"])
+@pytest.mark.parametrize("mode", ["sdvg", "target_only", "random"])
 def test_generate_writes_videos_masks_and_report(files, tmp_path, mode, capsys):
     out = tmp_path / "out"
     code = main(["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
                  "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--mode", mode,
+                 "--reward", str(files / "ImageReward.safetensors"), "--tau", "-1.5",
                  "--frames", "21", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
                  "--format", "webp", "--out", str(out)])
     assert code == 0
@@ -55,6 +49,8 @@ def test_generate_writes_videos_masks_and_report(files, tmp_path, mode, capsys):
     assert len(reports) == 2 and reports[0]["settings"]["mode"] == mode and reports[0]["num_blocks"] == 2
     err = capsys.readouterr().err
     assert "block 2/2" in err
+    if mode == "sdvg":
+        assert "vs tau -1.50" in err and reports[0]["settings"]["tau"] == -1.5
 
 
 def test_generate_sdvg_without_reward_is_refused(files, tmp_path, capsys):

@@ -34,6 +34,8 @@ from .tokenizer import BlipTokenizer
 
 __all__ = [
     "REWARD_MEAN",
+    "save_image_reward",
+    "HEADS_METADATA_KEY",
     "REWARD_STD",
     "CROP_MODES",
     "ImageRewardConfig",
@@ -191,12 +193,34 @@ def load_image_reward(
     ``ValueError`` naming the file and listing keys on any key/shape mismatch.
     """
     sd = read_state_dict(path)
+    if (vision_heads is None or text_heads is None) and str(path).endswith(".safetensors"):
+        # Files written by save_image_reward() carry their head counts (shapes cannot tell them).
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            heads = (f.metadata() or {}).get(HEADS_METADATA_KEY)
+        if heads:
+            v, t = (int(x) for x in heads.split(","))
+            vision_heads = v if vision_heads is None else vision_heads
+            text_heads = t if text_heads is None else text_heads
     model = build_model_from_state_dict(
         sd, vision_heads=vision_heads, text_heads=text_heads, source=str(path)
     )
     del sd
     model.to(device=device, dtype=dtype)
     return ImageRewardScorer(model, BlipTokenizer(vocab_file), batch_size=batch_size)
+
+
+HEADS_METADATA_KEY = "sdvg.reward_heads"
+
+
+def save_image_reward(scorer: "ImageRewardScorer", path: str | Path) -> None:
+    """Write the scorer's network as safetensors with ImageReward.pt's key names plus its head counts."""
+    from safetensors.torch import save_file
+
+    cfg = scorer.config
+    state = {k: v.detach().cpu().contiguous() for k, v in scorer.model.state_dict().items()}
+    save_file(state, str(path), metadata={HEADS_METADATA_KEY: f"{cfg.vision_heads},{cfg.text_heads}"})
 
 
 def build_tiny_image_reward(seed: int = 0, *, vocab_file: str | Path | None = None) -> ImageRewardScorer:
