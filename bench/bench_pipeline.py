@@ -24,19 +24,7 @@ from sdvg_engine.reward import build_tiny_image_reward
 from sdvg_engine.router import RewardRouter
 from sdvg_engine.vae import StreamingWanVAE
 
-
-class ForcedRouter(RewardRouter):
-    """Scores every draft for real, then overrides the decision with a fixed accept pattern."""
-
-    def __init__(self, scorer, pattern):
-        super().__init__(scorer, tau=0.0)
-        self.pattern, self.calls = pattern, 0
-
-    def judge(self, frames, prompt, *, previous_features=None):
-        decision, scores = super().judge(frames, prompt, previous_features=previous_features)
-        decision.accept = self.pattern[self.calls % len(self.pattern)]
-        self.calls += 1
-        return decision, scores
+from common import ForcedRouter, accept_pattern
 
 
 def model(layers, heads, seed):
@@ -72,7 +60,7 @@ def main():
     n_draft = args.blocks - 1
     rows = [("target-only", run("target_only")), ("draft-only", run("draft_only"))]
     for label, accepted in (("0%", 0), ("73%", round(0.73 * n_draft)), ("100%", n_draft)):
-        pattern = [True] * accepted + [False] * (n_draft - accepted)
+        pattern = accept_pattern(accepted, n_draft)
         rows.append((f"SDVG, {accepted}/{n_draft} drafts accepted ({label})", run("sdvg", pattern)))
 
     base = rows[0][1]["seconds"]["wall"]

@@ -1,0 +1,198 @@
+"""Real-size SDVG cost: Wan2.1 1.3B drafter + 14B target, full Wan VAE and ImageReward at 832x480.
+
+Random weights time exactly like real ones. Prints markdown tables:
+
+1. per-block time of each component (drafter steps, drafter commit, target steps, target recompute,
+   VAE decode of a 3-latent-frame block, ImageReward on its 12 frames), from CUDA-synchronised timers;
+2. whole videos through the real loop: target-only, draft-only and SDVG with forced acceptance
+   patterns (0%, 73.1%, 87.5%, 100% of drafted blocks), wall time, ratio vs target-only, peak memory;
+3. the same for an fp8-stored target (``--fp8``).
+
+    python bench/real_size.py                 # one GPU, ~8 min on an H200
+    python bench/real_size.py --blocks 9      # the reference's 9-block variant (105 frames, recompute target)
+    python bench/real_size.py --tiny          # tiny configs on the CPU (CI: keeps the script from rotting)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from contextlib import contextmanager
+
+import torch
+from diffusers import AutoencoderKLWan
+
+from sdvg_engine.context import GlobalCache, RecomputeWindow
+from sdvg_engine.generator import CausalGenerator
+from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
+from sdvg_engine.models.loading import quantize_blocks_fp8
+from sdvg_engine.pipeline import SDVGOptions, SpeculativePipeline
+from sdvg_engine.reward import ImageRewardConfig, ImageRewardModel, ImageRewardScorer, build_tiny_image_reward
+from sdvg_engine.reward.tokenizer import BlipTokenizer
+from sdvg_engine.router import RewardRouter
+from sdvg_engine.sampling import SeededNoise
+from sdvg_engine.vae import StreamingWanVAE
+
+from common import ForcedRouter, accept_pattern, text_context
+
+
+def random_module(build, device, dtype):
+    """Build on the meta device, materialise on ``device`` and fill with small random values (fast)."""
+    with torch.device("meta"):
+        module = build()
+    module = module.to_empty(device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+        for name, b in module.named_buffers():
+            if b.is_floating_point():
+                b.zero_()
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(dtype)  # per tensor: ModelMixin.to(dtype) warns about fp32-kept modules
+    return module.eval().requires_grad_(False)
+
+
+def build_stack(args, device):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.tiny:
+        drafter_cfg = wan_config("tiny", num_layers=2, num_attention_heads=2, ffn_dim=512)
+        target_cfg = wan_config("tiny", num_layers=4, num_attention_heads=4, ffn_dim=1024)
+    else:
+        drafter_cfg, target_cfg = wan_config("Wan2.1-T2V-1.3B"), wan_config("Wan2.1-T2V-14B")
+
+    def dit(cfg):
+        model = random_module(lambda: CausalWanTransformer3DModel(**cfg), device, dtype)
+        from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+        model.rope = WanRotaryPosEmbed(cfg["attention_head_dim"], cfg["patch_size"], 1024).to(device)
+        for name, p in model.named_parameters():  # modulation and time embedding stay fp32, as when loading
+            if any(k in name for k in ("scale_shift_table", "time_embedder", "norm")):
+                p.data = p.data.float()
+        return model
+
+    drafter, target = dit(drafter_cfg), dit(target_cfg)
+    if args.fp8 and not args.tiny:
+        quantize_blocks_fp8(target)
+    vae_module = AutoencoderKLWan(base_dim=8 if args.tiny else 96).to(device).eval().requires_grad_(False)
+    vae = StreamingWanVAE(vae_module)
+    if args.tiny:
+        scorer = build_tiny_image_reward(seed=0)
+    else:
+        model = random_module(lambda: ImageRewardModel(ImageRewardConfig.v1()), device, torch.float16)
+        model.blip.text_encoder.embeddings.position_ids = torch.arange(model.config.max_position_embeddings, device=device)[None]
+        scorer = ImageRewardScorer(model, BlipTokenizer())
+    return drafter, target, vae, scorer
+
+
+@contextmanager
+def timed(device, sink: list):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    sink.append(time.perf_counter() - t0)
+
+
+def component_table(drafter, target, vae, scorer, ctx, h, w, device, repeats):
+    """Per-block cost of each piece, on block 1 (so caches hold block 0 as in a real run)."""
+    rows = {}
+    noise = SeededNoise(0)
+    for label, gen in (("drafter", CausalGenerator(drafter, context=GlobalCache(21))),
+                       ("target", CausalGenerator(target, schedule="krea", context=RecomputeWindow(3, anchor_encoder=vae)))):
+        gen.start(ctx, latent_height=h, latent_width=w, num_blocks=2)
+        first = gen.generate_block(0, noise).latents
+        pixels = vae.decode_block(first)
+        vae.reset()
+        for _ in range(repeats):
+            gen.commit_block(0, first, pixels)
+            if isinstance(gen.context, RecomputeWindow):
+                gen.context.dirty = True
+            gen.calls.clear(), gen.seconds.clear()
+            gen.generate_block(1, noise)
+            for kind, secs in gen.seconds.items():
+                rows.setdefault(f"{label}: {kind} ({gen.calls[kind]} call{'s' if gen.calls[kind] > 1 else ''})", []).append(secs)
+            if isinstance(gen.context, GlobalCache):
+                gen.context.reset()
+                gen.kv_cache.reset()
+                gen.context.pending.append((0, first))
+    block = torch.randn(1, 16, 3, h, w, device=device)
+    vae.decode_block(torch.randn(1, 16, 1, h, w, device=device))
+    state = vae.snapshot()
+    sink = []
+    for _ in range(repeats):
+        vae.restore(state)
+        with timed(device, sink):
+            frames = vae.decode_block(block)
+    rows["VAE decode (3 latent -> 12 frames)"] = sink
+    frames01 = ((frames[0].transpose(0, 1).float() + 1) / 2).clamp(0, 1)
+    sink = []
+    for _ in range(repeats):
+        with timed(device, sink):
+            scorer.score_frames(frames01, "a cat")
+    rows["ImageReward (12 frames, batched)"] = sink
+    return {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (for CI)")
+    p.add_argument("--blocks", type=int, default=7, help="7 = 81 frames; 9 = the reference's 105-frame runs")
+    p.add_argument("--fp8", action="store_true", help="store the target's block weights in float8")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.tiny:
+        torch.set_num_threads(2)
+    width, height = (48, 32) if args.tiny else (832, 480)
+    if args.tiny:
+        args.blocks = min(args.blocks, 3)
+    h, w = height // 8, width // 8
+    frames = 12 * args.blocks - 3
+
+    drafter, target, vae, scorer = build_stack(args, device)
+    ctx = text_context(device=device)
+    per_block = component_table(drafter, target, vae, scorer, ctx, h, w, device, 1 if args.tiny else args.repeats)
+
+    def run(mode, pattern=None):
+        router = ForcedRouter(scorer, pattern) if pattern is not None else RewardRouter(scorer, tau=0.0)
+        pipe = SpeculativePipeline(CausalGenerator(drafter, context=GlobalCache(max(21, 3 * args.blocks))),
+                                   CausalGenerator(target, schedule="krea", context=RecomputeWindow(3)), vae, router)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        report = pipe.generate(ctx, prompt="a cat", num_frames=frames, width=width, height=height, seed=42,
+                               options=SDVGOptions(mode=mode)).report
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        return report, peak
+
+    run("target_only")  # warm-up (kernels, allocator)
+    drafted = args.blocks - 1
+    results = [("target-only", *run("target_only")), ("draft-only", *run("draft_only"))]
+    for frac in (0.0, 0.731, 0.875, 1.0):
+        accepted = round(frac * drafted)
+        results.append((f"SDVG {accepted}/{drafted} accepted ({frac:.1%})", *run("sdvg", accept_pattern(accepted, drafted))))
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"## SDVG real-size benchmark ({'tiny configs' if args.tiny else 'Wan2.1 1.3B drafter + 14B target'}, "
+          f"{width}x{height}, {frames} frames = {args.blocks} blocks, {name}, "
+          f"{str(target.dtype).replace('torch.', '')}{' + fp8 target blocks' if args.fp8 and not args.tiny else ''})\n")
+    print("| component, per block | seconds |\n|---|---|")
+    for k, v in per_block.items():
+        print(f"| {k} | {v:.4f} |")
+    base = results[0][1]["seconds"]["wall"]
+    print("\n| run | wall s | vs target-only | drafter s | target s | VAE s | reward s | peak GiB |\n|---|---|---|---|---|---|---|---|")
+    for label, rep, peak in results:
+        s = rep["seconds"]
+        print(f"| {label} | {s['wall']:.2f} | {base / s['wall']:.2f}x | {s['drafter']:.2f} | {s['target']:.2f} | "
+              f"{s['vae']:.2f} | {s['reward']:.2f} | {'-' if peak is None else f'{peak:.1f}'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"per_block": per_block, "runs": [{"label": l, "report": r, "peak_gib": p} for l, r, p in results]}, f)
+
+
+if __name__ == "__main__":
+    main()
