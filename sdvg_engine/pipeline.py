@@ -172,18 +172,17 @@ class SpeculativePipeline:
             else:
                 draft = self._timed(run, "drafter", lambda: self.drafter.generate_block(b, run.noise))
                 vae_before = self.vae.snapshot()
-                pixels = self._timed(run, "vae", lambda: self.vae.decode_block(draft.latents))
+                pixels, decode_seconds = self._decode(run, draft.latents)
                 decision = self._route(run, b, pixels)
                 if decision is None or decision.accept:
-                    record = self._commit(run, b, draft.latents, pixels, source="draft", drafted=True, decision=decision)
+                    record = self._commit(run, b, draft.latents, pixels, decode_seconds, source="draft", drafted=True,
+                                          decision=decision)
                 else:
                     self.vae.restore(vae_before)
                     record = self._target_block(run, b, drafted=True, decision=decision, draft=draft)
             record.seconds = {k: v - block_seconds.get(k, 0.0) for k, v in run.timer.seconds.items() if v - block_seconds.get(k, 0.0) > 0}
-            record.seconds["vae_kept"] = run.last_decode_seconds
             run.records.append(record)
             yield record
-        run.finished = True
 
     def generate(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
                  height: int = 480, seed: int = 42, options: SDVGOptions | None = None,
@@ -205,13 +204,11 @@ class SpeculativePipeline:
             on_block: called with each :class:`BlockRecord` as soon as its block is final.
         """
         started = time.perf_counter()
-        records = []
         for record in self.stream(prompt_embeds, prompt=prompt, num_frames=num_frames, width=width, height=height,
                                   seed=seed, options=options, noise=noise, cancel=cancel, before_call=before_call):
-            records.append(record)
             if on_block is not None:
                 on_block(record)
-        return self._finish(records, time.perf_counter() - started)
+        return self._finish(time.perf_counter() - started)
 
     # ---- steps of the loop --------------------------------------------------------------------------
     def _target_block(self, run, b, *, drafted: bool, decision: RouteDecision | None, draft: BlockSample | None = None):
@@ -223,8 +220,14 @@ class SpeculativePipeline:
             sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise, first_step=first, start_latents=state))
         else:
             sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise))
-        pixels = self._timed(run, "vae", lambda: self.vae.decode_block(sample.latents))
-        return self._commit(run, b, sample.latents, pixels, source="target", drafted=drafted, decision=decision)
+        pixels, decode_seconds = self._decode(run, sample.latents)
+        return self._commit(run, b, sample.latents, pixels, decode_seconds, source="target", drafted=drafted, decision=decision)
+
+    def _decode(self, run, latents) -> tuple[torch.Tensor, float]:
+        """Decode a block; also return its decode time (an all-target run would pay it for every kept block)."""
+        began = time.perf_counter()
+        pixels = self._timed(run, "vae", lambda: self.vae.decode_block(latents))
+        return pixels, time.perf_counter() - began
 
     def _route(self, run, b, pixels) -> RouteDecision | None:
         """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
@@ -252,10 +255,9 @@ class SpeculativePipeline:
         remaining = router.scorer.score_frames(frames[rest], run.prompt_features, crop=router.crop).scores
         return router.decide(torch.cat([partial, remaining]))
 
-    def _commit(self, run, b, latents, pixels, *, source, drafted, decision) -> BlockRecord:
+    def _commit(self, run, b, latents, pixels, decode_seconds, *, source, drafted, decision) -> BlockRecord:
         for gen in run.active:
             gen.commit_block(b, latents, pixels)
-        run.last_decode_seconds = run.timer.last_vae_seconds
         if run.pending_features is not None and source == "draft":
             run.previous_features = run.pending_features
         elif self.router is not None and self.router.temporal_weight != 0.0:
@@ -270,20 +272,16 @@ class SpeculativePipeline:
         run.mask.append(torch.full((frames.shape[0],), 1.0 if source == "draft" else 0.0))
         run.frames.append(frames)
         fpb = self.target.frames_per_block
-        return BlockRecord(index=b, source=source, drafted=drafted, decision=decision,
+        return BlockRecord(index=b, source=source, drafted=drafted, decision=decision, decode_seconds=decode_seconds,
                            latent_frames=(b * fpb, (b + 1) * fpb), video_frames=(f0, run.video_frames), frames=frames)
 
     def _timed(self, run, component: str, fn):
+        """Run ``fn`` as one call of ``component`` (a cancel point), timed on that component's device."""
         run.check_cancel(component, "call")
-        device = self.target.model.device if component != "drafter" else self.drafter.model.device
-        if component == "vae":
-            device = self.vae.device
-        with run.timer.measure(component, device):
-            began = time.perf_counter()
-            out = fn()
-        if component == "vae":
-            run.timer.last_vae_seconds = time.perf_counter() - began
-        return out
+        devices = {"drafter": lambda: self.drafter.model.device, "target": lambda: self.target.model.device,
+                   "vae": lambda: self.vae.device, "reward": lambda: self.router.scorer.device}
+        with run.timer.measure(component, devices[component]()):
+            return fn()
 
     # ---- setup and results --------------------------------------------------------------------------
     def _begin(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call):
@@ -320,8 +318,9 @@ class SpeculativePipeline:
         self._run = run
         return run
 
-    def _finish(self, records: list[BlockRecord], wall: float) -> SDVGResult:
+    def _finish(self, wall: float) -> SDVGResult:
         run = self._run
+        records = run.records
         target_generated = sum(r.source == "target" for r in records)
         target_seconds = run.timer.seconds.get("target", 0.0)
         settings = {
@@ -348,8 +347,6 @@ class _Run:
     def __init__(self, **kw):
         self.__dict__.update(kw)
         self.timer = ComponentTimer()
-        self.timer.last_vae_seconds = 0.0
-        self.last_decode_seconds = 0.0
         self.records, self.frames, self.latents, self.mask = [], [], [], []
         self.video_frames = 0
         self.prompt_features = None
@@ -357,7 +354,6 @@ class _Run:
         self.previous_features = None
         self.pending_features = None
         self.active = []
-        self.finished = False
 
     def check_cancel(self, component: str, kind: str) -> None:
         if self.cancel is not None and self.cancel.cancelled:

@@ -50,6 +50,7 @@ class BlockRecord:
         video_frames: ``(first, end)`` pixel frame range of the block in the video.
         frames: the block's decoded frames ``[T, H, W, 3]`` float 0..1 on CPU (for previews).
         seconds: time spent on this block per component.
+        decode_seconds: the VAE decode of the kept block (what an all-target run would also pay).
     """
 
     index: int
@@ -60,6 +61,7 @@ class BlockRecord:
     video_frames: tuple[int, int]
     frames: torch.Tensor | None = None
     seconds: dict = field(default_factory=dict)
+    decode_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         d = {
@@ -86,7 +88,7 @@ def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, time
     drafted = [b for b in blocks if b.drafted]
     accepted = [b for b in drafted if b.source == "draft"]
     later = blocks[1:]
-    decode_kept = sum(b.seconds.get("vae_kept", 0.0) for b in blocks)
+    decode_kept = sum(b.decode_seconds for b in blocks)
     estimate = None if target_block_seconds is None else target_block_seconds * len(blocks) + decode_kept
     seconds = {c: round(timer.seconds.get(c, 0.0), 6) for c in COMPONENTS}
     inside = sum(timer.seconds.get(c, 0.0) for c in COMPONENTS)
