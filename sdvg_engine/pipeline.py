@@ -260,7 +260,8 @@ class SpeculativePipeline:
             gen.commit_block(b, latents, pixels)
         if run.pending_features is not None and source == "draft":
             run.previous_features = run.pending_features
-        elif self.router is not None and self.router.temporal_weight != 0.0:
+        elif run.prompt_features is not None and self.router.temporal_weight != 0.0:
+            # The next draft's seam term needs this block's last frame (scored only in sdvg mode).
             last = ((pixels[0, :, -1:].transpose(0, 1).float() + 1.0) / 2.0).clamp(0, 1)
             run.previous_features = self._timed(
                 run, "reward", lambda: self.router.scorer.score_frames(last, run.prompt_features, crop=self.router.crop).image_features[-1])

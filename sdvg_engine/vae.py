@@ -416,7 +416,26 @@ def _format_key_error(path: Path, missing: list[str], unexpected: list[str], wha
 
 
 def _load_single_file(path: Path, *, device: str | torch.device, dtype: torch.dtype) -> AutoencoderKLWan:
-    state_dict, is_original = _select_vae_keys(_read_state_dict(path), path)
+    return wan_vae_from_state_dict(_read_state_dict(path), device=device, dtype=dtype, source=str(path))
+
+
+def wan_vae_from_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    source: str = "<state dict>",
+    copy: bool = False,
+) -> AutoencoderKLWan:
+    """Build the diffusers Wan2.1 VAE from a state dict in the original Wan layout (optionally behind a prefix,
+    as in `Wan2.1_VAE.pth`, ComfyUI files, or `comfy.sd.VAE.first_stage_model.state_dict()`) or in diffusers'.
+
+    `base_dim` / `z_dim` are read from the tensor shapes. With `copy=True` the tensors are copied, so the
+    caller's module (e.g. ComfyUI's own VAE) is never aliased. Errors name `source`.
+    """
+    path = Path(source)
+    state_dict = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    state_dict, is_original = _select_vae_keys(state_dict, path)
     # diffusers name -> name in the file, to report unexpected keys under the names the user sees.
     file_names = {k: k for k in state_dict}
     if is_original:
@@ -456,7 +475,7 @@ def _load_single_file(path: Path, *, device: str | torch.device, dtype: torch.dt
         raise ValueError(_format_key_error(path, missing, unexpected, what, note))
 
     state_dict = {
-        k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device=device)
+        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=copy)
         for k, v in state_dict.items()
     }
     try:
@@ -467,6 +486,7 @@ def _load_single_file(path: Path, *, device: str | torch.device, dtype: torch.dt
     if leftover:  # would mean diffusers added a tensor that is not in the state dict
         raise RuntimeError(f"'{path}': tensors left uninitialised after loading: {leftover[:_MAX_KEYS_IN_ERROR]}")
     return vae
+
 
 
 def _load_diffusers_folder(folder: Path, *, dtype: torch.dtype) -> AutoencoderKLWan:

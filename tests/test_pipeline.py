@@ -208,3 +208,13 @@ def test_bad_inputs_are_named():
         pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=93, width=WIDTH, height=HEIGHT)
     # a failed call leaves the pipeline usable
     assert run(pipe).frames.shape[0] == 45
+
+
+def test_temporal_term_in_sdvg_and_harmless_elsewhere():
+    result = run(tiny_pipeline(tau=-math.inf, temporal_weight=0.5))
+    for r in result.blocks[1:]:
+        d = r.decision
+        assert d.temporal_score is not None
+        assert d.block_score == pytest.approx(d.reward_score + 0.5 * d.temporal_score)
+    # Other modes never score, whatever the router's temporal weight.
+    assert run(tiny_pipeline(temporal_weight=0.5), mode="target_only").report["seconds"]["reward"] == 0.0

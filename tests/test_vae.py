@@ -14,6 +14,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from safetensors.torch import load_file, save_file
 
+from wan_fixtures import vae_key_to_original
 from sdvg_engine.vae import StreamingWanVAE, VAEDecodeState, load_wan21_vae_config, load_wan_vae
 
 
@@ -267,46 +268,9 @@ def test_shipped_config_is_the_real_wan21_vae():
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-def _diffusers_to_original_key(key: str) -> str:
-    """Inverse of diffusers' `convert_wan_vae_to_diffusers` for the Wan2.1 layout (test-only helper)."""
-    top = {"quant_conv.": "conv1.", "post_quant_conv.": "conv2."}
-    for new, old in top.items():
-        if key.startswith(new):
-            return old + key[len(new) :]
-    resnet = {"norm1.": "residual.0.", "conv1.": "residual.2.", "norm2.": "residual.3.", "conv2.": "residual.6."}
-    resnet.update({"conv_shortcut.": "shortcut."})
-
-    def map_resnet(rest: str) -> str:
-        for new, old in resnet.items():
-            if rest.startswith(new):
-                return old + rest[len(new) :]
-        raise KeyError(rest)
-
-    side, rest = key.split(".", 1)
-    if rest.startswith("conv_in."):
-        return f"{side}.conv1." + rest[len("conv_in.") :]
-    if rest.startswith("norm_out."):
-        return f"{side}.head.0." + rest[len("norm_out.") :]
-    if rest.startswith("conv_out."):
-        return f"{side}.head.2." + rest[len("conv_out.") :]
-    if m := re.match(r"mid_block\.resnets\.(\d)\.(.*)", rest):
-        return f"{side}.middle.{2 * int(m[1])}." + map_resnet(m[2])
-    if m := re.match(r"mid_block\.attentions\.0\.(.*)", rest):
-        return f"{side}.middle.1.{m[1]}"
-    if m := re.match(r"down_blocks\.(\d+)\.(.*)", rest):
-        sub = m[2] if m[2].startswith(("resample.", "time_conv.")) else map_resnet(m[2])
-        return f"{side}.downsamples.{m[1]}.{sub}"
-    if m := re.match(r"up_blocks\.(\d)\.resnets\.(\d)\.(.*)", rest):
-        # Original decoder: a flat list of 3 resnets + 1 upsampler per stage.
-        return f"{side}.upsamples.{4 * int(m[1]) + int(m[2])}.{map_resnet(m[3])}"
-    if m := re.match(r"up_blocks\.(\d)\.upsamplers\.0\.(.*)", rest):
-        return f"{side}.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
-    raise KeyError(key)
-
-
 def _original_state_dict(vae: AutoencoderKLWan) -> dict[str, torch.Tensor]:
     state = vae.state_dict()
-    original = {_diffusers_to_original_key(k): v.clone() for k, v in state.items()}
+    original = {vae_key_to_original(k): v.clone() for k, v in state.items()}
     # The test's inverse must be exactly undone by diffusers' converter, or the loading tests prove nothing.
     assert len(original) == len(state)
     back = convert_wan_vae_to_diffusers(original)

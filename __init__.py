@@ -1,0 +1,27 @@
+"""SDVG - speculative decoding for block-autoregressive Wan2.1 video: the ComfyUI node pack.
+
+ComfyUI imports this file when the repository sits in ``custom_nodes/``. The nodes are registered
+only through ``comfy_entrypoint`` (ComfyUI's V3 extension API); the engine (``sdvg_engine``) never
+imports ComfyUI.
+"""
+
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+try:  # installed with `pip install -e .`, or already importable
+    import sdvg_engine  # noqa: F401
+except ImportError:  # a plain clone in custom_nodes/ (ComfyUI-Manager installs requirements.txt only)
+    sys.path.append(_HERE)
+    import sdvg_engine  # noqa: F401
+
+# Only ComfyUI (which has imported `comfy` before loading custom nodes) gets the nodes; other importers of
+# this file, such as pytest collecting the repository as a package, get nothing and need no ComfyUI.
+if "comfy" in sys.modules:
+    if importlib.util.find_spec("comfy_api.latest") is None:
+        raise ImportError("SDVG needs ComfyUI 0.3.64 or newer (the V3 node API, comfy_api.latest); please update ComfyUI")
+    from .nodes.comfy_nodes import comfy_entrypoint  # noqa: E402
+
+    __all__ = ["comfy_entrypoint"]

@@ -1,0 +1,202 @@
+"""ComfyUI V3 node classes of SDVG: thin wrappers built from ``schema`` around ``logic``.
+
+Only this module (and the pack's root ``__init__.py``) imports ComfyUI. Registration is through
+``comfy_entrypoint`` alone (a module-level NODE_CLASS_MAPPINGS would make ComfyUI skip it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import comfy.model_management as model_management
+import comfy.model_patcher
+import comfy.utils
+import folder_paths
+from comfy_api.latest import ComfyExtension, io, ui
+
+from . import logic, schema
+
+#: Pack model folders (under ComfyUI's models/) and the files they list.
+_PT = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".safetensors", ".pkl", ".sft")
+MODEL_FOLDERS = {"sdvg": _PT, "sdvg_reward": _PT, "image_reward": _PT, "sdvg_embeddings": (".safetensors",)}
+
+
+def register_model_folders() -> None:
+    """Register models/sdvg, models/sdvg_reward, models/image_reward and models/sdvg_embeddings
+    (extra_model_paths.yaml entries with these names are kept and extended)."""
+    for name, extensions in MODEL_FOLDERS.items():
+        folder_paths.add_model_folder_path(name, os.path.join(folder_paths.models_dir, name))
+        paths, known = folder_paths.folder_names_and_paths[name]
+        if not known:  # a new key lists every file (README.txt, .DS_Store ...): restrict it to model files
+            folder_paths.folder_names_and_paths[name] = (paths, set(extensions))
+
+
+class ComfyServices(logic.Services):
+    """ComfyUI's memory manager, progress bar, interrupt flag and model folders for ``logic``."""
+
+    def __init__(self, node_id: str | None = None):
+        super().__init__()
+        self.node_id = node_id
+        self._bar = None
+
+    def main_device(self):
+        return model_management.get_torch_device()
+
+    def offload_device(self):
+        return model_management.unet_offload_device()
+
+    def intermediate_device(self):
+        return model_management.intermediate_device()
+
+    def wrap(self, holder, load_device, offload_device):
+        return comfy.model_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device)
+
+    def load(self, patchers):
+        # Full load: these are plain torch modules, which ComfyUI cannot stream in low-VRAM mode.
+        model_management.load_models_gpu(list(patchers), force_full_load=True)
+
+    def check_interrupt(self):
+        model_management.throw_exception_if_processing_interrupted()
+
+    def progress(self, value, total, preview=None):
+        if self._bar is None:
+            self._bar = comfy.utils.ProgressBar(total, node_id=self.node_id)
+        self._bar.update_absolute(value, total, ("JPEG", preview, logic.PREVIEW_MAX_PX) if preview is not None else None)
+
+    def list_files(self, folders):
+        names = []
+        for folder in folders:
+            if folder in folder_paths.folder_names_and_paths:
+                names += folder_paths.get_filename_list(folder)
+        return sorted(dict.fromkeys(names))
+
+    def resolve(self, folders, name):
+        for folder in folders:
+            if folder in folder_paths.folder_names_and_paths:
+                path = folder_paths.get_full_path(folder, name)
+                if path is not None:
+                    return path
+        raise FileNotFoundError(f"model file {name!r} not found in {list(folders)} "
+                                f"(ComfyUI models/ folders or extra_model_paths.yaml)")
+
+
+# ------------------------------------------------------------------------------------------------- schema building
+_CUSTOM = {schema.SDVG_MODEL: io.Custom(schema.SDVG_MODEL), schema.SDVG_ROUTER: io.Custom(schema.SDVG_ROUTER)}
+_SOCKETS = {"CONDITIONING": io.Conditioning, "VAE": io.Vae, "IMAGE": io.Image, "MASK": io.Mask,
+            "LATENT": io.Latent, "FLOAT": io.Float, "STRING": io.String, **_CUSTOM}
+
+
+def _input(spec: schema.InputSpec):
+    common = dict(optional=spec.optional, tooltip=spec.tooltip, lazy=spec.lazy or None)
+    if spec.type == "INT":
+        return io.Int.Input(spec.name, default=spec.default, min=spec.min, max=spec.max, step=spec.step,
+                            control_after_generate=spec.control_after_generate or None, **common)
+    if spec.type == "FLOAT":
+        return io.Float.Input(spec.name, default=spec.default, min=spec.min, max=spec.max, step=spec.step,
+                              round=spec.round, display_mode=io.NumberDisplay.slider if spec.slider else None, **common)
+    if spec.type == "STRING":
+        return io.String.Input(spec.name, default=spec.default, multiline=spec.multiline, **common)
+    if spec.type == "BOOLEAN":
+        return io.Boolean.Input(spec.name, default=spec.default, **common)
+    if spec.type == "COMBO":
+        options = logic.combo_options(spec, ComfyServices())
+        default = spec.default if spec.default in options else None
+        return io.Combo.Input(spec.name, options=options, default=default, **common)
+    return _SOCKETS[spec.type].Input(spec.name, **common)
+
+
+def build_schema(spec: schema.NodeSpec, hidden=None) -> io.Schema:
+    return io.Schema(
+        node_id=spec.node_id, display_name=spec.display_name, category=spec.category, description=spec.description,
+        inputs=[_input(i) for i in spec.inputs],
+        outputs=[_SOCKETS[o.type].Output(o.name, display_name=o.name, tooltip=o.tooltip) for o in spec.outputs],
+        hidden=hidden, is_output_node=spec.is_output_node,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------ nodes
+class SDVGLoadDrafter(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.LOAD_DRAFTER)
+
+    @classmethod
+    def execute(cls, ckpt_name, dtype, device, context_scheme) -> io.NodeOutput:
+        return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="drafter",
+                                                   services=ComfyServices()))
+
+
+class SDVGLoadTarget(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.LOAD_TARGET)
+
+    @classmethod
+    def execute(cls, ckpt_name, dtype, device, context_scheme) -> io.NodeOutput:
+        return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="target",
+                                                   services=ComfyServices()))
+
+
+class SDVGRewardRouter(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.REWARD_ROUTER)
+
+    @classmethod
+    def execute(cls, reward_model, tau, aggregation, crop, temporal_weight) -> io.NodeOutput:
+        return io.NodeOutput(logic.build_router(reward_model, tau, aggregation, crop, temporal_weight,
+                                                services=ComfyServices()))
+
+
+class SDVGSpeculativeSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.SAMPLER, hidden=[io.Hidden.unique_id])
+
+    @classmethod
+    def check_lazy_status(cls, mode, drafter=None, target=None, router=None, **_):
+        return logic.needed_inputs(mode, drafter, target, router)
+
+    @classmethod
+    def validate_inputs(cls, length):
+        # Only length: ComfyUI then still range-checks width/height itself (multiples of 16 are checked at run time),
+        # and a bad length gives one error at queue time instead of one per validated input.
+        return logic.geometry_problem(None, None, length) or True
+
+    @classmethod
+    def execute(cls, positive, vae, reward_prompt, width, height, length, seed, mode, force_first_block,
+                drafter=None, target=None, router=None, refine_from_step=0, cascade=False,
+                random_accept_prob=0.73) -> io.NodeOutput:
+        out = logic.run_sampler(
+            drafter=drafter, target=target, router=router, positive=positive, vae=vae, reward_prompt=reward_prompt,
+            width=width, height=height, length=length, seed=seed, mode=mode, force_first_block=force_first_block,
+            refine_from_step=refine_from_step, cascade=cascade, random_accept_prob=random_accept_prob,
+            services=ComfyServices(cls.hidden.unique_id if cls.hidden is not None else None),
+        )
+        return io.NodeOutput(out.frames, out.mask, out.latent, out.fps, out.report, out.plot,
+                             ui=ui.PreviewText(logic.sampler_summary(out.report)))
+
+
+class SDVGLoadPromptEmbeddings(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.LOAD_PROMPT_EMBEDDINGS)
+
+    @classmethod
+    def execute(cls, embeddings_file, index) -> io.NodeOutput:
+        conditioning, prompt = logic.load_embeddings_node(embeddings_file, index, services=ComfyServices())
+        return io.NodeOutput(conditioning, prompt)
+
+
+NODE_CLASSES = [SDVGLoadDrafter, SDVGLoadTarget, SDVGRewardRouter, SDVGSpeculativeSampler, SDVGLoadPromptEmbeddings]
+assert [c.__name__ for c in NODE_CLASSES] == [s.node_id for s in schema.NODES]
+
+
+class SDVGExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODE_CLASSES)
+
+
+async def comfy_entrypoint() -> SDVGExtension:
+    register_model_folders()
+    return SDVGExtension()

@@ -1,0 +1,590 @@
+"""Everything the SDVG nodes do, as plain functions that never import ComfyUI.
+
+The V3 node classes (``comfy_nodes.py``) only translate between ComfyUI and these functions, passing a
+:class:`Services` object that provides ComfyUI's memory manager, progress bar, interrupt check and model
+folders. The default :class:`Services` is plain PyTorch on the CPU (or wherever models are asked to
+go), so the tests and scripts run the exact code the nodes run.
+
+Objects passed between nodes (:class:`SDVGModel`, :class:`SDVGRouter`) are cached by ComfyUI and shared
+by every later run: nothing here mutates them. Each sampler run builds its own generators, router,
+streaming VAE state and pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from sdvg_engine.comfy_bridge import ModuleHolder
+from sdvg_engine.vae import wan_vae_from_state_dict
+from sdvg_engine.context import make_context_scheme
+from sdvg_engine.generator import CausalGenerator
+from sdvg_engine.loaders import load_generator, parse_dtype
+from sdvg_engine.pipeline import SDVGOptions, SDVGResult, SpeculativePipeline, video_frames_to_latent_frames
+from sdvg_engine.reward import ImageRewardScorer, load_image_reward
+from sdvg_engine.router import RewardRouter
+from sdvg_engine.text_encoder import load_prompt_embeddings
+from sdvg_engine.vae import StreamingWanVAE
+
+from . import schema
+
+FPS = 16.0
+TEXT_DIM = 4096
+PREVIEW_MAX_PX = 512
+_REWARD_CACHE_SIZE = 2
+
+
+# ==================================================================================================== host services
+class _PlainPatcher:
+    """Stand-in for ComfyUI's ModelPatcher outside ComfyUI: ``load()`` moves the module to its device."""
+
+    def __init__(self, holder: torch.nn.Module, load_device: torch.device, offload_device: torch.device):
+        self.model, self.load_device, self.offload_device = holder, load_device, offload_device
+
+    def load(self) -> None:
+        self.model.to(self.load_device)
+        self.model.device = self.load_device
+
+
+class Services:
+    """What the node logic needs from its host. This default is plain PyTorch (tests, scripts).
+
+    Args:
+        folders: model folder name -> directories, for :meth:`list_files` / :meth:`resolve`.
+        device: the main compute device (``auto``).
+    """
+
+    def __init__(self, folders: dict[str, list[str]] | None = None, device: str | torch.device = "cpu"):
+        self.folders = {k: [str(p) for p in v] for k, v in (folders or {}).items()}
+        self._device = torch.device(device)
+
+    # devices
+    def main_device(self) -> torch.device:
+        return self._device
+
+    def offload_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def intermediate_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def cuda_count(self) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    # memory management
+    def wrap(self, holder: torch.nn.Module, load_device: torch.device, offload_device: torch.device):
+        """A memory-manager handle for ``holder`` (ComfyUI: a ModelPatcher)."""
+        return _PlainPatcher(holder, load_device, offload_device)
+
+    def load(self, patchers: list) -> None:
+        """Put the models on their compute devices before sampling."""
+        for p in patchers:
+            p.load()
+
+    # run control
+    def check_interrupt(self) -> None:
+        """Raise to stop the run (called before every model call)."""
+
+    def progress(self, value: int, total: int, preview=None) -> None:
+        """Report ``value`` of ``total`` blocks done, with a PIL preview of the newest frame."""
+
+    # model files
+    def list_files(self, folders: Iterable[str]) -> list[str]:
+        names: list[str] = []
+        for folder in folders:
+            for root in self.folders.get(folder, []):
+                if os.path.isdir(root):
+                    for dirpath, _, files in os.walk(root):
+                        for f in files:
+                            names.append(os.path.relpath(os.path.join(dirpath, f), root))
+        return sorted(dict.fromkeys(names))
+
+    def resolve(self, folders: Iterable[str], name: str) -> str:
+        folders = list(folders)
+        for folder in folders:
+            for root in self.folders.get(folder, []):
+                path = os.path.join(root, name)
+                if os.path.isfile(path) or os.path.isdir(path):
+                    return path
+        raise FileNotFoundError(f"model file {name!r} not found in the folders {folders}")
+
+
+def combo_options(spec: schema.InputSpec, services: Services) -> list:
+    """The values a combo input offers now (static options, model files or devices)."""
+    if spec.options:
+        return list(spec.options)
+    if spec.options_from and spec.options_from[0] == "files":
+        return services.list_files(spec.options_from[1:])
+    if spec.options_from == (schema.DEVICES,):
+        return schema.device_options(services.cuda_count())
+    raise ValueError(f"input {spec.name!r} has no options")
+
+
+def resolve_devices(device: str, services: Services) -> tuple[torch.device, torch.device]:
+    """``(load_device, offload_device)`` for a loader's device choice."""
+    if device == "auto":
+        load = services.main_device()
+    else:
+        try:
+            load = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda:N', got {device!r}") from None
+        if load.type == "cuda" and load.index is not None and load.index >= services.cuda_count():
+            raise ValueError(f"device {device!r} does not exist: {services.cuda_count()} CUDA device(s) visible")
+    offload = torch.device("cpu") if load.type == "cpu" else services.offload_device()
+    return load, offload
+
+
+# =========================================================================================================== models
+@dataclass(eq=False)
+class SDVGModel:
+    """An ``SDVG_MODEL``: a loaded causal Wan DiT plus how to run it. Read-only once built."""
+
+    model: torch.nn.Module
+    info: Any
+    path: str
+    role: str
+    dtype: str
+    context_scheme: str
+    schedule: str
+    load_device: torch.device
+    offload_device: torch.device
+    holder: torch.nn.Module
+    patcher: Any
+    max_frames: int = 21
+
+    def new_generator(self) -> CausalGenerator:
+        """A fresh generator for one run (own KV cache, context state and counters)."""
+        context = make_context_scheme(self.context_scheme, max_frames=self.max_frames)
+        return CausalGenerator(self.model, schedule=self.schedule, context=context, name=self.role)
+
+    def describe(self) -> dict:
+        return {"file": os.path.basename(self.path), "architecture": self.info.architecture, "dtype": self.dtype,
+                "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule}
+
+
+def load_sdvg_model(path: str, *, role: str, dtype: str = "bf16", device: str = "auto",
+                    context_scheme: str = "auto", services: Services | None = None) -> SDVGModel:
+    """Load a drafter or target checkpoint (the work of SDVGLoadDrafter / SDVGLoadTarget)."""
+    services = services or Services()
+    if context_scheme not in schema.CONTEXT_SCHEMES:
+        raise ValueError(f"context_scheme must be one of {schema.CONTEXT_SCHEMES}, got {context_scheme!r}")
+    fp8 = dtype == "fp8"
+    torch_dtype = torch.bfloat16 if fp8 else parse_dtype(dtype)
+    load_device, offload_device = resolve_devices(device, services)
+    gen = load_generator(path, name=role, dtype=torch_dtype, device=offload_device, context_scheme=context_scheme, fp8=fp8)
+    holder = ModuleHolder(gen.model, device=offload_device)
+    return SDVGModel(
+        model=gen.model, info=gen.info, path=str(path), role=role, dtype=dtype, context_scheme=gen.context.name,
+        schedule=gen.schedule.name, load_device=load_device, offload_device=offload_device, holder=holder,
+        patcher=services.wrap(holder, load_device, offload_device),
+    )
+
+
+def load_model_node(ckpt_name: str, dtype: str, device: str, context_scheme: str, *, role: str,
+                    services: Services) -> SDVGModel:
+    path = services.resolve(schema.DRAFTER_FOLDERS, ckpt_name)
+    return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services)
+
+
+# =========================================================================================================== router
+@dataclass(eq=False)
+class SDVGRouter:
+    """An ``SDVG_ROUTER``: the loaded scorer (shared, cached per file) and the routing settings of this node."""
+
+    scorer: ImageRewardScorer
+    patcher: Any
+    path: str
+    tau: float
+    aggregation: str
+    crop: str
+    temporal_weight: float
+
+    def new_router(self) -> RewardRouter:
+        """A fresh router for one run; this object is never changed."""
+        return RewardRouter(self.scorer, tau=self.tau, aggregation=self.aggregation, crop=self.crop,
+                            temporal_weight=self.temporal_weight)
+
+
+_reward_cache: "OrderedDict[tuple, tuple[ImageRewardScorer, Any]]" = OrderedDict()
+_reward_lock = threading.Lock()
+
+
+def reward_dtype(device: torch.device) -> torch.dtype:
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def load_reward_scorer(path: str, services: Services) -> tuple[ImageRewardScorer, Any]:
+    """Load (or reuse) the ImageReward scorer of ``path``: cached by file, size and mtime, so routers that
+    differ only in tau, aggregation ... share one loaded model."""
+    st = os.stat(path)
+    load_device = services.main_device()
+    dtype = reward_dtype(load_device)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, str(load_device), str(dtype))
+    with _reward_lock:
+        hit = _reward_cache.get(key)
+        if hit is not None:
+            _reward_cache.move_to_end(key)
+            return hit
+        offload = torch.device("cpu") if load_device.type == "cpu" else services.offload_device()
+        scorer = load_image_reward(path, device=offload, dtype=dtype)
+        holder = ModuleHolder(scorer.model, device=offload)
+        entry = (scorer, services.wrap(holder, load_device, offload))
+        _reward_cache[key] = entry
+        while len(_reward_cache) > _REWARD_CACHE_SIZE:
+            _reward_cache.popitem(last=False)
+        return entry
+
+
+def clear_reward_cache() -> None:
+    with _reward_lock:
+        _reward_cache.clear()
+
+
+def build_router(reward_model: str, tau: float, aggregation: str, crop: str, temporal_weight: float, *,
+                 services: Services) -> SDVGRouter:
+    """The work of SDVGRewardRouter."""
+    path = services.resolve(schema.REWARD_FOLDERS, reward_model)
+    # Validate the settings now (RewardRouter raises with a message), before the sampler runs.
+    scorer, patcher = load_reward_scorer(path, services)
+    router = SDVGRouter(scorer=scorer, patcher=patcher, path=path, tau=float(tau), aggregation=aggregation, crop=crop,
+                        temporal_weight=float(temporal_weight))
+    router.new_router()
+    return router
+
+
+# ============================================================================================================== VAE
+@dataclass(eq=False)
+class _ConvertedVAE:
+    vae: Any  # diffusers AutoencoderKLWan
+    holder: torch.nn.Module
+    patcher: Any
+
+
+_vae_cache: "weakref.WeakKeyDictionary[Any, _ConvertedVAE]" = weakref.WeakKeyDictionary()
+_vae_lock = threading.Lock()
+
+
+def _vae_conversion(source, services: Services) -> _ConvertedVAE:
+    """Convert ComfyUI's VAE (``.first_stage_model`` = original-key Wan VAE) once, cached per VAE object."""
+    with _vae_lock:
+        try:
+            hit = _vae_cache.get(source)
+        except TypeError:  # not weak-referenceable
+            hit = None
+        if hit is not None:
+            return hit
+        first_stage = getattr(source, "first_stage_model", None)
+        if first_stage is None or not hasattr(first_stage, "state_dict"):
+            raise ValueError("vae: expected ComfyUI's Wan2.1 VAE (VAELoader with wan_2.1_vae.safetensors)")
+        load_device = torch.device(getattr(source, "device", None) or services.main_device())
+        dtype = getattr(source, "vae_dtype", None) or torch.float32
+        patcher = getattr(source, "patcher", None)
+        offload = torch.device(getattr(patcher, "offload_device", None) or "cpu")
+        try:
+            vae = wan_vae_from_state_dict(first_stage.state_dict(), device=offload, dtype=dtype, copy=True,
+                                          source=f"the connected VAE ({type(first_stage).__name__})")
+        except ValueError as e:
+            raise ValueError(f"{e}\nSDVG needs the Wan2.1 VAE: VAELoader with wan_2.1_vae.safetensors.") from e
+        holder = ModuleHolder(vae, device=offload)
+        converted = _ConvertedVAE(vae=vae, holder=holder, patcher=services.wrap(holder, load_device, offload))
+        try:
+            _vae_cache[source] = converted
+        except TypeError:
+            pass
+        return converted
+
+
+def streaming_vae(source, services: Services) -> tuple[StreamingWanVAE, Any]:
+    """A fresh :class:`StreamingWanVAE` (own decode state) for one run, and the patcher to load.
+
+    ``source``: ComfyUI's VAE object, a diffusers ``AutoencoderKLWan`` or a ``StreamingWanVAE``.
+    """
+    from diffusers import AutoencoderKLWan
+
+    if isinstance(source, StreamingWanVAE):
+        return StreamingWanVAE(source.vae), None
+    if isinstance(source, AutoencoderKLWan):
+        return StreamingWanVAE(source), None
+    converted = _vae_conversion(source, services)
+    return StreamingWanVAE(converted.vae), converted.patcher
+
+
+# ===================================================================================================== conditioning
+def context_from_conditioning(conditioning, text_dim: int = TEXT_DIM) -> torch.Tensor:
+    """The UMT5 context ``[1, L, text_dim]`` of a ComfyUI CONDITIONING ``[[tensor, {...}]]`` (not copied)."""
+    hint = ("SDVG needs Wan2.1's UMT5-XXL text encoding [1, >=512, 4096]: use CLIPLoader with type 'wan' and "
+            "umt5_xxl (e.g. umt5_xxl_fp8_e4m3fn_scaled.safetensors) -> CLIPTextEncode, or SDVG Load Prompt Embeddings.")
+    if not isinstance(conditioning, (list, tuple)) or not conditioning:
+        raise ValueError(f"positive: expected a CONDITIONING, got {type(conditioning).__name__}. {hint}")
+    if len(conditioning) != 1:
+        raise ValueError(f"positive: SDVG takes one prompt, got a CONDITIONING with {len(conditioning)} entries "
+                         "(combined or concatenated conditionings are not supported).")
+    entry = conditioning[0]
+    cond = entry[0] if isinstance(entry, (list, tuple)) and entry else None
+    if not isinstance(cond, torch.Tensor) or cond.ndim != 3:
+        shape = tuple(cond.shape) if isinstance(cond, torch.Tensor) else type(cond).__name__
+        raise ValueError(f"positive: expected a conditioning tensor [1, L, {text_dim}], got {shape}. {hint}")
+    if cond.shape[-1] != text_dim:
+        raise ValueError(f"positive: the text encoding is {cond.shape[-1]} wide, but the models expect {text_dim} "
+                         f"(shape {tuple(cond.shape)}). {hint}")
+    if cond.shape[0] != 1:
+        raise ValueError(f"positive: batch size {cond.shape[0]}; SDVG generates one video per run (batch 1)")
+    return cond
+
+
+def load_prompt_embedding(path: str, index: int) -> tuple[list, str]:
+    """CONDITIONING ``[[context, {"pooled_output": None}]]`` and the prompt text of entry ``index``."""
+    entries = load_prompt_embeddings(path)
+    if not 0 <= index < len(entries):
+        raise ValueError(f"{os.path.basename(path)} holds {len(entries)} prompt(s) (index 0..{len(entries) - 1}); "
+                         f"got index {index}")
+    prompt, context = entries[index]
+    return [[context.float(), {"pooled_output": None}]], prompt
+
+
+def load_embeddings_node(embeddings_file: str, index: int, *, services: Services) -> tuple[list, str]:
+    path = services.resolve(schema.EMBEDDINGS_FOLDERS, embeddings_file)
+    conditioning, prompt = load_prompt_embedding(path, index)
+    device = services.intermediate_device()
+    return [[conditioning[0][0].to(device), conditioning[0][1]]], prompt
+
+
+# ========================================================================================================== sampler
+def geometry_problem(width, height, length) -> str | None:
+    """Why ``width``/``height``/``length`` cannot work (``None`` when they can); linked values (``None``) pass."""
+    for name, value in (("width", width), ("height", height)):
+        if value is not None and (value < 16 or value > 2048 or value % 16):
+            return f"{name} must be a multiple of 16 in 16..2048, got {value}"
+    if length is not None:
+        if length > schema.MAX_LENGTH:
+            return f"length must be at most {schema.MAX_LENGTH}, got {length}"
+        try:
+            video_frames_to_latent_frames(int(length))
+        except ValueError as e:
+            return f"length: {e}"
+    return None
+
+
+def needed_inputs(mode: str, drafter=None, target=None, router=None) -> list[str]:
+    """The lazy sampler inputs ``mode`` uses that are not evaluated yet (ComfyUI's ``check_lazy_status``)."""
+    needed = []
+    if drafter is None and mode != "target_only":
+        needed.append("drafter")
+    if target is None and mode != "draft_only":
+        needed.append("target")
+    if router is None and mode == "sdvg":
+        needed.append("router")
+    return needed
+
+
+@dataclass
+class SamplerOutput:
+    frames: torch.Tensor       # [T, H, W, 3] float32 0..1
+    mask: torch.Tensor         # [T, H, W] float32 0/1
+    latent: dict               # {"samples": [1, 16, T_lat, h, w]} in ComfyUI's Wan21 latent space
+    fps: float
+    report: str                # JSON
+    plot: torch.Tensor         # [1, h, w, 3]
+    result: SDVGResult = field(repr=False)
+
+
+def _json_safe(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return _json_safe(x.tolist())
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def frame_to_pil(frame: torch.Tensor):
+    """``[H, W, 3]`` 0..1 -> PIL RGB image."""
+    from PIL import Image
+
+    array = (frame.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    return Image.fromarray(array)
+
+
+def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: SDVGRouter | None, positive, vae,
+                reward_prompt: str = "", width: int = 832, height: int = 480, length: int = 81, seed: int = 42,
+                mode: str = "sdvg", force_first_block: bool = True, refine_from_step: int = 0, cascade: bool = False,
+                random_accept_prob: float = 0.73, services: Services | None = None) -> SamplerOutput:
+    """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here."""
+    services = services or Services()
+    if mode not in schema.MODES:
+        raise ValueError(f"mode must be one of {schema.MODES}, got {mode!r}")
+    problem = geometry_problem(width, height, length)
+    if problem:
+        raise ValueError(problem)
+    # target_only never runs the drafter and draft_only never runs the target: ComfyUI does not even load
+    # the unused one (lazy input), and the model in use stands in for it.
+    missing = [role for role in needed_inputs(mode, drafter, target, router=True) if role in ("drafter", "target")]
+    if missing:
+        raise ValueError(f"mode {mode!r} needs the {' and the '.join(missing)}")
+    used = [m for m in (drafter, target) if m is not None]
+    drafter_model, target_model = drafter or target, target or drafter
+    context = context_from_conditioning(positive, text_dim=used[0].model.config.text_dim)
+    for m in used:
+        if m.model.config.text_dim != context.shape[-1]:
+            raise ValueError(f"the {m.role} expects text width {m.model.config.text_dim}, the conditioning is "
+                             f"{context.shape[-1]} wide")
+    prompt = reward_prompt or ""
+    if mode == "sdvg":
+        if router is None:
+            raise ValueError("mode 'sdvg' needs a router (SDVG Reward Router)")
+        if not prompt.strip():
+            raise ValueError("reward_prompt is empty: ImageReward scores frames against the prompt TEXT, which "
+                             "CONDITIONING does not carry. Type the positive prompt into reward_prompt or link "
+                             "SDVG Load Prompt Embeddings' prompt output.")
+    options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
+                          random_accept_prob=float(random_accept_prob),
+                          refine_from_step=int(refine_from_step) or None, cascade=bool(cascade))
+
+    stream, vae_patcher = streaming_vae(vae, services)
+    # Per-run objects: the cached SDVG_MODEL / SDVG_ROUTER values are never modified.
+    run_router = router.new_router() if (mode == "sdvg" and router is not None) else None
+    pipe = SpeculativePipeline(drafter_model.new_generator(), target_model.new_generator(), stream, run_router)
+
+    patchers = [drafter_model.patcher if mode != "target_only" else None,
+                target_model.patcher if mode != "draft_only" else None,
+                vae_patcher, router.patcher if run_router is not None else None]
+    services.load([p for p in dict.fromkeys(patchers) if p is not None])
+
+    total = video_frames_to_latent_frames(int(length), pipe.target.frames_per_block) // pipe.target.frames_per_block
+    services.progress(0, total, None)
+
+    def on_block(record) -> None:
+        preview = frame_to_pil(record.frames[-1]) if record.frames is not None and len(record.frames) else None
+        services.progress(record.index + 1, total, preview)
+
+    result = pipe.generate(context, prompt=prompt, num_frames=int(length), width=int(width), height=int(height),
+                           seed=int(seed), options=options, before_call=lambda *_: services.check_interrupt(),
+                           on_block=on_block)
+
+    out_device = services.intermediate_device()
+    frames = result.frames.float()
+    t, h, w, _ = frames.shape
+    mask = result.acceptance_mask.float().view(t, 1, 1).expand(t, h, w).contiguous()
+    samples = stream.denormalize(result.latents.float())
+    report = dict(result.report)
+    report["models"] = {"drafter": drafter.describe() if mode != "target_only" and drafter else None,
+                        "target": target.describe() if mode != "draft_only" and target else None,
+                        "reward": os.path.basename(router.path) if run_router is not None else None}
+    report["output"] = {"frames": t, "height": h, "width": w, "fps": FPS, "latent_shape": list(samples.shape)}
+    plot = score_plot(report)
+    return SamplerOutput(
+        frames=frames.to(out_device), mask=mask.to(out_device), latent={"samples": samples.to(out_device)},
+        fps=FPS, report=json.dumps(_json_safe(report), indent=2, allow_nan=False), plot=plot.to(out_device),
+        result=result,
+    )
+
+
+# ============================================================================================================= plot
+def score_plot(report: dict, width: int = 640, height: int = 360) -> torch.Tensor:
+    """Per-block draft scores against the threshold, drawn with PIL: ``[1, height, width, 3]`` float 0..1.
+
+    Green dot = draft kept, red cross = draft rejected (target regenerated it), grey square on the axis =
+    block not scored (not drafted, or accepted without scoring in draft_only / first_block_only).
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    settings = report.get("settings", {})
+    blocks = report.get("blocks", [])
+    mode = settings.get("mode", "sdvg")
+    if mode == "random":
+        threshold, label = settings.get("random_accept_prob"), "p (keep if u < p)"
+    else:
+        threshold, label = settings.get("tau"), "tau"
+    threshold = threshold if isinstance(threshold, (int, float)) and math.isfinite(threshold) else None
+
+    points = []  # (block, score or None, kept)
+    for b in blocks:
+        decision = b.get("decision")
+        score = decision.get("block_score") if decision else None
+        points.append((b["index"], score if isinstance(score, (int, float)) and math.isfinite(score) else None,
+                       b.get("source") == "draft"))
+    values = [s for _, s, _ in points if s is not None] + ([threshold] if threshold is not None else [])
+    lo, hi = (min(values), max(values)) if values else (-1.0, 1.0)
+    if hi - lo < 1e-6:
+        lo, hi = lo - 1.0, hi + 1.0
+    pad = 0.1 * (hi - lo)
+    lo, hi = lo - pad, hi + pad
+
+    img = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    left, right, top, bottom = 56, width - 16, 28, height - 36
+    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
+    n = max(len(points), 1)
+
+    def x_of(i: int) -> float:
+        return left + (i + 0.5) * (right - left) / n
+
+    def y_of(v: float) -> float:
+        return bottom - (v - lo) / (hi - lo) * (bottom - top)
+
+    for k in range(5):  # y grid and labels
+        v = lo + k * (hi - lo) / 4
+        y = y_of(v)
+        draw.line([left, y, right, y], fill=(225, 225, 225))
+        draw.text((4, y - 6), f"{v:.2f}", fill=(0, 0, 0), font=font)
+    if threshold is not None:
+        y = y_of(threshold)
+        draw.line([left, y, right, y], fill=(40, 90, 220), width=2)
+        draw.text((right - 150, y - 14), f"{label} = {threshold:.2f}", fill=(40, 90, 220), font=font)
+    for i, score, kept in points:
+        x = x_of(i)
+        draw.text((x - 3, bottom + 4), str(i), fill=(0, 0, 0), font=font)
+        if score is None:
+            draw.rectangle([x - 4, bottom - 8, x + 4, bottom], fill=(150, 150, 150))
+            continue
+        y = y_of(score)
+        if kept:
+            draw.ellipse([x - 5, y - 5, x + 5, y + 5], fill=(30, 160, 60))
+        else:
+            draw.line([x - 5, y - 5, x + 5, y + 5], fill=(210, 40, 40), width=3)
+            draw.line([x - 5, y + 5, x + 5, y - 5], fill=(210, 40, 40), width=3)
+    acc = report.get("acceptance", {})
+    title = f"SDVG {mode}: kept {acc.get('accepted_blocks', 0)}/{acc.get('drafted_blocks', 0)} drafted blocks"
+    draw.text((left, 8), title, fill=(0, 0, 0), font=font)
+    draw.text((left, height - 16), "block  (green = kept draft, red = regenerated, grey = not scored)",
+              fill=(80, 80, 80), font=font)
+    array = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(height, width, 3)
+    return (array.float() / 255.0).unsqueeze(0)
+
+
+# ========================================================================================================= reports
+def sampler_summary(report_json: str) -> str:
+    """A short human-readable line for the node's UI."""
+    report = json.loads(report_json)
+    acc = report.get("acceptance", {})
+    rate = acc.get("rate_of_drafted")
+    speed = report.get("speedup_vs_target")
+    parts = [f"{report.get('num_blocks', 0)} blocks", " ".join(s[0].upper() for s in report.get("decisions", []))]
+    if rate is not None:
+        parts.append(f"kept {acc.get('accepted_blocks')}/{acc.get('drafted_blocks')} drafts ({rate:.0%})")
+    if speed is not None:
+        parts.append(f"~{speed:.2f}x vs target-only")
+    return " | ".join(p for p in parts if p)
+
+
+__all__ = [
+    "FPS", "SDVGModel", "SDVGRouter", "SamplerOutput", "Services", "build_router", "clear_reward_cache",
+    "combo_options", "context_from_conditioning", "geometry_problem", "load_embeddings_node", "load_model_node",
+    "load_prompt_embedding", "load_reward_scorer", "load_sdvg_model", "needed_inputs", "resolve_devices", "run_sampler",
+    "sampler_summary", "score_plot", "streaming_vae",
+]

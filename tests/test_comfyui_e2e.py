@@ -1,0 +1,328 @@
+"""End-to-end: the node pack inside a real ComfyUI server, driven through its HTTP API.
+
+Runs when ``COMFYUI_PATH`` names a ComfyUI checkout (``COMFYUI_PYTHON``: its interpreter, default
+``python``; that environment needs ComfyUI's requirements and this package, e.g. ``pip install -e .``).
+Otherwise it is skipped.
+
+The server starts with ``--cpu`` on 127.0.0.1, loads only this pack (a symlink in a temporary
+custom_nodes folder named by an ``--extra-model-paths-config`` yaml, with every other custom node
+disabled) and reads tiny model files written under the real checkpoints' names (see
+``node_fixtures``), so the shipped API workflows run unchanged except for a small video size. ComfyUI
+cannot load a tiny Wan VAE (it hard-codes the VAE width), so the VAE is a full-size random one.
+The CLIPLoader workflows cannot run without the 11 GB UMT5-XXL: the server validates them (the
+prompt is accepted) and, with a dummy text-encoder file, the sampler rejects the resulting non-UMT5
+conditioning with its "use CLIPLoader type wan" message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from node_fixtures import write_comfy_vae, write_tiny_models
+from workflow_checks import CORE, ROOT, SPECS
+
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+pytestmark = pytest.mark.skipif(
+    not COMFYUI_PATH or not Path(COMFYUI_PATH, "main.py").is_file(),
+    reason="set COMFYUI_PATH to a ComfyUI checkout (and COMFYUI_PYTHON to its interpreter) to run the end-to-end test",
+)
+
+API_DIR = ROOT / "tests" / "api_workflows"
+PACK = "ComfyUI-SDVG"
+W, H, LENGTH = 48, 32, 33  # 3 blocks
+STARTUP_S, RUN_S = 300, 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path):
+        self.root = root
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = root / "comfyui.log"
+        self.output = root / "output"
+        self.proc = None
+
+    def start(self) -> None:
+        (self.root / "user").mkdir()
+        cmd = [os.environ.get("COMFYUI_PYTHON", "python"), "main.py", "--cpu", "--listen", "127.0.0.1",
+               "--port", str(self.port), "--disable-auto-launch", "--extra-model-paths-config", str(self.root / "paths.yaml"),
+               "--output-directory", str(self.output), "--temp-directory", str(self.root / "temp"),
+               "--user-directory", str(self.root / "user"), "--database-url", "sqlite:///:memory:",
+               "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=COMFYUI_PATH, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + STARTUP_S
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"ComfyUI exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
+            try:
+                self.get("/object_info/SDVGSpeculativeSampler")
+                break
+            except (urllib.error.URLError, ConnectionError, KeyError):
+                time.sleep(1.0)
+        else:
+            pytest.fail(f"ComfyUI did not serve the SDVG nodes within {STARTUP_S}s:\n{self.log()[-5000:]}")
+        assert "IMPORT FAILED" not in self.log(), self.log()[-5000:]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            data = json.loads(r.read())
+        if path.startswith("/object_info/") and not data:
+            raise KeyError(path)
+        return data
+
+    def post(self, path: str, payload: dict):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def queue(self, prompt: dict) -> str:
+        status, reply = self.post("/prompt", {"prompt": prompt, "client_id": uuid.uuid4().hex})
+        assert status == 200 and not reply.get("node_errors"), f"prompt rejected ({status}): {json.dumps(reply)[:3000]}"
+        return reply["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = RUN_S) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            history = self.get(f"/history/{prompt_id}")
+            if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
+                entry = history[prompt_id]
+                if entry["status"].get("status_str") in ("success", "error"):
+                    return entry
+            time.sleep(0.5)
+        pytest.fail(f"prompt {prompt_id} did not finish within {timeout}s:\n{self.log()[-5000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comfyui_e2e")
+    models = root / "models"
+    write_tiny_models(models, target_scheme="recompute_window")  # the target runs Krea's scheme, as the 14B would
+    write_comfy_vae(models / "vae" / "wan_2.1_vae.safetensors")
+    (models / "text_encoders").mkdir()
+    (models / "text_encoders" / "umt5_xxl_fp8_e4m3fn_scaled.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    (root / "custom_nodes").mkdir()
+    (root / "custom_nodes" / PACK).symlink_to(ROOT, target_is_directory=True)
+    (root / "paths.yaml").write_text(
+        "sdvg_e2e:\n"
+        f"    base_path: {root}\n"
+        "    custom_nodes: custom_nodes\n"
+        "    diffusion_models: models/diffusion_models\n"
+        "    vae: models/vae\n"
+        "    text_encoders: models/text_encoders\n"
+        "    sdvg_reward: models/sdvg_reward\n"
+        "    sdvg_embeddings: models/sdvg_embeddings\n"
+    )
+    srv = Server(root)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+        version = Path(COMFYUI_PATH, "comfyui_version.py")
+        print(f"\nComfyUI {version.read_text().split('=')[-1].strip() if version.exists() else '?'} at {COMFYUI_PATH}; "
+              f"log: {srv.log_path}")
+
+
+def api_workflow(name: str, **sampler_inputs) -> dict:
+    prompt = json.loads((API_DIR / f"{name}.json").read_text())
+    for node in prompt.values():
+        if node["class_type"] == "SDVGSpeculativeSampler":
+            node["inputs"].update(width=W, height=H, length=LENGTH, **sampler_inputs)
+    return prompt
+
+
+def node_id(prompt: dict, class_type: str) -> str:
+    return next(k for k, v in prompt.items() if v["class_type"] == class_type)
+
+
+def messages(entry: dict, event: str) -> list[dict]:
+    return [data for name, data in entry["status"].get("messages", []) if name == event]
+
+
+# -------------------------------------------------------------------------------------------------------- tests
+def test_object_info_matches_the_schemas(server):
+    """Our V3 classes expose exactly nodes.schema; the tests' core schemas agree with the live server."""
+    for spec in SPECS.values():
+        info = server.get(f"/object_info/{spec.node_id}")[spec.node_id]
+        order = info["input_order"]
+        assert [i.name for i in spec.inputs if not i.optional] == order.get("required", [])
+        assert [i.name for i in spec.inputs if i.optional] == order.get("optional", []), spec.node_id
+        for i in spec.inputs:
+            section = "optional" if i.optional else "required"
+            live_type, opts = (info["input"][section][i.name] + [{}])[:2]
+            if i.type == "COMBO":
+                live = live_type if isinstance(live_type, list) else opts.get("options", [])
+                if i.options:
+                    assert set(i.options) <= set(live), (spec.node_id, i.name, live)
+            else:
+                assert live_type == i.type, (spec.node_id, i.name, live_type)
+            for key in ("default", "min", "max", "step"):
+                if getattr(i, key) is not None:
+                    assert opts.get(key) == getattr(i, key), (spec.node_id, i.name, key, opts.get(key))
+            if spec.node_id.startswith("SDVG"):
+                assert opts.get("tooltip") == i.tooltip
+                assert bool(opts.get("lazy")) == i.lazy and bool(opts.get("control_after_generate")) == i.control_after_generate
+        assert info["output"] == [o.type for o in spec.outputs], spec.node_id
+        assert info["output_node"] == spec.is_output_node, spec.node_id
+        if spec.node_id.startswith("SDVG"):
+            assert info["output_name"] == [o.name for o in spec.outputs] and info["category"] == "SDVG"
+    assert set(CORE) <= set(server.get("/object_info"))
+    # Model folders registered by the pack list the tiny files.
+    drafter = server.get("/object_info/SDVGLoadDrafter")["SDVGLoadDrafter"]["input"]["required"]["ckpt_name"]
+    names = drafter[0] if isinstance(drafter[0], list) else drafter[1]["options"]
+    assert {"self_forcing_dmd.pt", "krea-realtime-video-14b.safetensors"} <= set(names)
+
+
+def _check_outputs(server: Server, prompt: dict, entry: dict, mode: str) -> dict:
+    from PIL import Image
+
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000] + server.log()[-3000:]
+    outputs = entry["outputs"]
+    report = json.loads(outputs[node_id(prompt, "PreviewAny")]["text"][0])
+    assert report["settings"]["mode"] == mode and report["num_blocks"] == 3
+    assert report["output"]["frames"] == LENGTH and report["output"]["latent_shape"] == [1, 16, 9, H // 8, W // 8]
+    sampler = outputs[node_id(prompt, "SDVGSpeculativeSampler")]
+    assert "3 blocks" in sampler["text"][0]
+    # The acceptance mask, saved as a lossless animated WEBP: 0/255 per frame, constant per block. The WebP
+    # encoder merges identical consecutive frames into one longer frame, so frames are counted by duration.
+    webp = outputs[node_id(prompt, "SaveAnimatedWEBP")]["images"][0]
+    frame_ms = int(1000.0 / 16.0)  # what SaveAnimatedWEBP writes per frame at 16 fps
+    with Image.open(server.output / webp["subfolder"] / webp["filename"]) as im:
+        assert im.size == (W, H)
+        values = []
+        for f in range(im.n_frames):
+            im.seek(f)
+            extrema = im.convert("L").getextrema()
+            assert extrema[0] == extrema[1] and extrema[0] in (0, 255)
+            # A video whose frames are all identical is written as a single still frame (no duration).
+            count = round(im.info["duration"] / frame_ms) if im.n_frames > 1 else LENGTH
+            values += [extrema[0] // 255] * count
+    expected = []
+    for block in report["blocks"]:
+        first, end = block["video_frames"]
+        expected += [1 if block["source"] == "draft" else 0] * (end - first)
+    assert values == expected
+    # The video: every frame, at 16 fps.
+    video = outputs[node_id(prompt, "SaveVideo")]["images"][0]
+    path = server.output / video["subfolder"] / video["filename"]
+    assert path.stat().st_size > 0
+    try:
+        import av
+    except ImportError:
+        av = None
+    if av is not None:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            frames = sum(1 for _ in container.decode(stream))
+            assert frames == LENGTH and float(stream.average_rate) == 16.0
+    plot = outputs[node_id(prompt, "SaveImage")]["images"][0]
+    with Image.open(server.output / plot["subfolder"] / plot["filename"]) as im:
+        assert im.size == (640, 360)
+    return report
+
+
+@pytest.mark.parametrize("mode", ["sdvg", "target_only", "draft_only", "random"])
+def test_prompt_embeddings_workflow_runs(server, mode):
+    prompt = api_workflow("sdvg_prompt_embeddings", mode=mode, random_accept_prob=0.5)
+    entry = server.wait(server.queue(prompt))
+    report = _check_outputs(server, prompt, entry, mode)
+    if mode == "sdvg":
+        assert report["settings"]["prompt"].startswith("a red ball")  # the prompt text came through the link
+        assert report["blocks"][0]["source"] == "target" and all(b["drafted"] for b in report["blocks"][1:])
+        assert report["models"]["target"]["context_scheme"] == "recompute_window"
+    if mode == "target_only":
+        assert report["decisions"] == ["target"] * 3 and report["models"]["drafter"] is None
+    if mode == "draft_only":
+        assert report["decisions"] == ["draft"] * 3 and report["models"]["target"] is None
+
+
+def test_changing_tau_reruns_only_router_and_sampler(server):
+    prompt = api_workflow("sdvg_prompt_embeddings", seed=11)
+    first = server.wait(server.queue(prompt))
+    assert first["status"]["status_str"] == "success"
+    router = node_id(prompt, "SDVGRewardRouter")
+    prompt[router]["inputs"]["tau"] = -5.0  # the slider's minimum: keeps (almost) every draft
+    second = server.wait(server.queue(prompt))
+    assert second["status"]["status_str"] == "success"
+    cached = {n for m in messages(second, "execution_cached") for n in m["nodes"]}
+    loaders = {node_id(prompt, t) for t in ("SDVGLoadDrafter", "SDVGLoadTarget", "SDVGLoadPromptEmbeddings", "VAELoader")}
+    assert loaders <= cached
+    assert router not in cached and node_id(prompt, "SDVGSpeculativeSampler") not in cached
+    report = _check_outputs(server, prompt, second, "sdvg")  # kept drafts: the mask has ones after block 0
+    assert report["settings"]["tau"] == -5.0 and "draft" in report["decisions"]
+
+
+def test_invalid_length_is_rejected_at_queue_time(server):
+    prompt = api_workflow("sdvg_prompt_embeddings")
+    prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["length"] = 40
+    status, reply = server.post("/prompt", {"prompt": prompt, "client_id": "e2e"})
+    assert status == 400 and "use 33 or 45" in json.dumps(reply)
+
+
+def test_interrupt_stops_the_sampler(server):
+    prompt = api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=5)
+    prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["length"] = 81
+    prompt_id = server.queue(prompt)
+    deadline = time.time() + 60
+    while time.time() < deadline and not server.get("/queue")["queue_running"]:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    server.post("/interrupt", {})
+    entry = server.wait(prompt_id)
+    assert entry["status"]["status_str"] == "error" and messages(entry, "execution_interrupted")
+    # ... and the next run works.
+    again = server.wait(server.queue(api_workflow("sdvg_prompt_embeddings", mode="draft_only", seed=6)))
+    assert again["status"]["status_str"] == "success"
+
+
+@pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_target_only", "sdvg_text_to_video_draft_only"])
+def test_text_encoder_workflows_validate(server, name):
+    """Accepted by the server's validation (``queue`` asserts no node errors). The text encoder file is a dummy:
+    ComfyUI 0.3.64 then builds a default 768-wide CLIP from it, and the sampler must reject that conditioning
+    with a message that names the right text encoder (an older/newer ComfyUI may fail at CLIPLoader instead)."""
+    prompt = api_workflow(name)
+    entry = server.wait(server.queue(prompt))
+    errors = messages(entry, "execution_error")
+    assert entry["status"]["status_str"] == "error" and errors
+    error = errors[0]
+    if error["node_type"] == "SDVGSpeculativeSampler":
+        assert "CLIPLoader with type 'wan' and umt5_xxl" in error["exception_message"], error["exception_message"]
+        assert error["exception_type"].endswith("ValueError")
+    else:
+        assert error["node_type"] in ("CLIPLoader", "CLIPTextEncode"), error

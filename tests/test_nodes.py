@@ -1,0 +1,305 @@
+"""The ComfyUI nodes' logic on tiny real models, through the same functions the V3 nodes call (no ComfyUI).
+
+``nodes/comfy_nodes.py`` only forwards widget values to ``nodes.logic`` with a ComfyUI ``Services``; here
+the default ``Services`` (plain PyTorch on the CPU) stands in for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the pack root, for `nodes`
+
+from nodes import logic, schema  # noqa: E402
+from node_fixtures import (  # noqa: E402
+    DRAFTER_FILE, EMBEDDINGS_FILE, PROMPTS, REWARD_FILE, TARGET_FILE, FakeComfyVAE, write_reward_with_heads_metadata,
+    write_tiny_models,
+)
+from sdvg_engine.models.loading import Fp8Linear  # noqa: E402
+from sdvg_engine.vae import StreamingWanVAE  # noqa: E402
+
+W, H = 48, 32
+FRAMES = 45  # 4 blocks
+# ComfyUI's latent_formats.Wan21 (comfy/latent_formats.py): LATENT holds raw VAE latents z = x * std + mean.
+WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+              0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+WAN21_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+             3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+
+
+class RecordingServices(logic.Services):
+    def __init__(self, folders):
+        super().__init__(folders)
+        self.progress_calls, self.interrupt_checks, self.loaded = [], 0, []
+        self.interrupt_after = None
+
+    def check_interrupt(self):
+        self.interrupt_checks += 1
+        if self.interrupt_after is not None and self.interrupt_checks > self.interrupt_after:
+            raise KeyboardInterrupt("interrupted by the test")
+
+    def progress(self, value, total, preview=None):
+        self.progress_calls.append((value, total, None if preview is None else preview.size))
+
+    def load(self, patchers):
+        self.loaded.append(list(patchers))
+        super().load(patchers)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    write_tiny_models(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def folders(models_dir):
+    return {name: [str(models_dir / name)] for name in ("diffusion_models", "sdvg_reward", "sdvg_embeddings")}
+
+
+@pytest.fixture
+def services(folders):
+    return RecordingServices(folders)
+
+
+@pytest.fixture(scope="module")
+def stack(folders):
+    svc = logic.Services(folders)
+    drafter = logic.load_model_node(DRAFTER_FILE, "fp32", "auto", "auto", role="drafter", services=svc)
+    target = logic.load_model_node(TARGET_FILE, "fp32", "cpu", "auto", role="target", services=svc)
+    positive, prompt = logic.load_embeddings_node(EMBEDDINGS_FILE, 0, services=svc)
+    return dict(drafter=drafter, target=target, positive=positive, prompt=prompt, vae=FakeComfyVAE())
+
+
+def sample(stack, router, services, **kw):
+    args = dict(drafter=stack["drafter"], target=stack["target"], router=router, positive=stack["positive"],
+                vae=stack["vae"], reward_prompt=stack["prompt"], width=W, height=H, length=FRAMES, seed=7,
+                services=services)
+    args.update(kw)
+    return logic.run_sampler(**args)
+
+
+@pytest.fixture(scope="module")
+def draft_scores(stack, folders):
+    svc = logic.Services(folders)
+    out = sample(stack, logic.build_router(REWARD_FILE, -math.inf, "min", "center", 0.0, services=svc), svc)
+    scores = json.loads(out.report)["draft_scores"][1:]
+    assert len(set(scores)) == 3
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------------ sampler
+def test_sampler_end_to_end(stack, services, draft_scores):
+    tau = sorted(draft_scores)[1]  # rejects the worst draft, keeps the best
+    router = logic.build_router(REWARD_FILE, tau, "min", "center", 0.0, services=services)
+    out = sample(stack, router, services)
+
+    assert out.frames.shape == (FRAMES, H, W, 3) and out.frames.dtype == torch.float32
+    assert 0.0 <= out.frames.min() and out.frames.max() <= 1.0
+    report = json.loads(out.report)
+    assert report["decisions"][0] == "target" and {"draft", "target"} <= set(report["decisions"][1:])
+    # MASK [T, H, W]: constant per block, 1 for kept drafts and 0 for target blocks.
+    assert out.mask.shape == (FRAMES, H, W)
+    for block in report["blocks"]:
+        first, end = block["video_frames"]
+        assert out.mask[first:end].eq(1.0 if block["source"] == "draft" else 0.0).all()
+    # LATENT in ComfyUI's Wan21 space (raw VAE latents) with Wan's 1 + 4k frame rule.
+    samples = out.latent["samples"]
+    assert samples.shape == (1, 16, (FRAMES - 1) // 4 + 1, H // 8, W // 8)
+    mean, std = torch.tensor(WAN21_MEAN).view(1, -1, 1, 1, 1), torch.tensor(WAN21_STD).view(1, -1, 1, 1, 1)
+    torch.testing.assert_close((samples - mean) / std, out.result.latents, rtol=1e-4, atol=1e-4)
+    assert out.fps == 16.0
+    # Report: the engine's plus the pack's additions; strict JSON.
+    assert report["settings"]["tau"] == pytest.approx(tau) and report["settings"]["prompt"] == PROMPTS[0]
+    assert report["models"]["drafter"]["file"] == DRAFTER_FILE and report["models"]["reward"] == REWARD_FILE
+    assert report["output"] == {"frames": FRAMES, "height": H, "width": W, "fps": 16.0, "latent_shape": list(samples.shape)}
+    json.loads(out.report, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    # Score plot: one RGB image with kept (green) and rejected (red) markers.
+    assert out.plot.shape == (1, 360, 640, 3) and 0 <= out.plot.min() and out.plot.max() <= 1
+    pixels = (out.plot[0] * 255).round().to(torch.int16).view(-1, 3)
+    assert ((pixels - torch.tensor([30, 160, 60])).abs().sum(1) == 0).any()
+    assert ((pixels - torch.tensor([210, 40, 40])).abs().sum(1) == 0).any()
+    # Progress: one update per block (after a 0), each with a preview of the newest frame.
+    assert services.progress_calls == [(0, 4, None)] + [(i, 4, (W, H)) for i in range(1, 5)]
+    assert services.interrupt_checks > 20  # before every model, VAE and reward call
+    assert len(services.loaded) == 1 and len(services.loaded[0]) == 4  # drafter, target, VAE, reward
+    assert "kept 1/3" in logic.sampler_summary(out.report) or "kept 2/3" in logic.sampler_summary(out.report)
+
+
+def test_nothing_cached_is_mutated(stack, services):
+    router = logic.build_router(REWARD_FILE, 0.3, "mean", "full", 0.0, services=services)
+    before = {k: v.clone() for k, v in stack["drafter"].model.state_dict().items()}
+    positive = stack["positive"][0][0].clone()
+    conversions = stack["vae"].first_stage_model.calls
+    a = sample(stack, router, services, length=21)
+    b = sample(stack, router, services, length=21)
+    assert torch.equal(a.frames, b.frames) and torch.equal(a.latent["samples"], b.latent["samples"])
+    assert (router.tau, router.aggregation, router.crop) == (0.3, "mean", "full")
+    assert torch.equal(stack["positive"][0][0], positive)
+    assert all(torch.equal(v, before[k]) for k, v in stack["drafter"].model.state_dict().items())
+    # The VAE is converted at most once per VAE object, whatever the number of runs.
+    assert stack["vae"].first_stage_model.calls - conversions <= 1
+
+
+def test_changing_tau_reuses_the_loaded_reward_model(services):
+    a = logic.build_router(REWARD_FILE, -0.7, "min", "center", 0.0, services=services)
+    b = logic.build_router(REWARD_FILE, 1.5, "min", "center", 0.0, services=services)
+    assert a.scorer is b.scorer and a.patcher is b.patcher
+    assert (a.tau, b.tau) == (-0.7, 1.5)
+    assert (a.scorer.config.vision_heads, a.scorer.config.text_heads) == (16, 12)  # ImageReward-v1.0 defaults
+    with pytest.raises(ValueError, match="aggregation"):
+        logic.build_router(REWARD_FILE, 0.0, "max", "center", 0.0, services=services)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("draft_only", ["draft", "draft"]),
+    ("target_only", ["target", "target"]),
+    ("first_block_only", ["target", "draft"]),
+])
+def test_modes(stack, services, mode, expected):
+    # ComfyUI evaluates the lazy model inputs a mode needs only: the unused model arrives as None.
+    unused = {"draft_only": "target", "target_only": "drafter"}.get(mode)
+    assert logic.needed_inputs(mode) == [r for r in ("drafter", "target") if r != unused]
+    out = sample(stack, None, services, length=21, mode=mode, **({unused: None} if unused else {}))
+    report = json.loads(out.report)
+    assert report["decisions"] == expected
+    spans = [b["video_frames"] for b in report["blocks"]]
+    for (first, end), source in zip(spans, expected):
+        assert out.mask[first:end].eq(1.0 if source == "draft" else 0.0).all()
+    if mode == "target_only":
+        assert report["model_calls"]["drafter"] == {} and report["models"]["drafter"] is None
+    if mode == "draft_only":
+        assert report["model_calls"]["target"] == {} and report["models"]["target"] is None
+
+
+def test_random_mode_and_loop_options(stack, services):
+    out = sample(stack, None, services, mode="random", random_accept_prob=1.0, length=21)
+    assert json.loads(out.report)["decisions"] == ["target", "draft"]
+    # A connected router with a temporal weight is not handed to the engine outside mode sdvg (the engine would
+    # score committed frames without a prompt there).
+    weighted = logic.build_router(REWARD_FILE, 0.0, "min", "center", 0.5, services=services)
+    assert json.loads(sample(stack, weighted, services, mode="target_only", length=21).report)["decisions"] == ["target"] * 2
+    router = logic.build_router(REWARD_FILE, math.inf, "min", "center", 0.0, services=services)
+    out = sample(stack, router, services, length=21, refine_from_step=2, cascade=True)
+    report = json.loads(out.report)
+    assert report["settings"]["refine_from_step"] == 2 and report["settings"]["cascade"] is True
+    assert report["decisions"] == ["target", "target"]
+
+
+def test_interrupt_propagates_and_the_next_run_works(stack, services):
+    router = logic.build_router(REWARD_FILE, 0.0, "min", "center", 0.0, services=services)
+    services.interrupt_after = 5
+    with pytest.raises(KeyboardInterrupt):
+        sample(stack, router, services, length=21)
+    services.interrupt_after = None
+    assert sample(stack, router, services, length=21).frames.shape[0] == 21
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+def test_bad_conditioning_width_is_rejected(stack, services):
+    clip_l = [[torch.zeros(1, 77, 768), {"pooled_output": torch.zeros(1, 768)}]]
+    with pytest.raises(ValueError, match=r"768 wide.*CLIPLoader with type 'wan' and umt5_xxl"):
+        sample(stack, None, services, positive=clip_l, mode="target_only", length=9)
+    two = stack["positive"] + stack["positive"]
+    with pytest.raises(ValueError, match="one prompt"):
+        sample(stack, None, services, positive=two, mode="target_only", length=9)
+    with pytest.raises(ValueError, match="CONDITIONING"):
+        sample(stack, None, services, positive=torch.zeros(1, 512, 4096), mode="target_only", length=9)
+
+
+def test_invalid_length_is_rejected(stack, services):
+    with pytest.raises(ValueError, match=r"length: num_frames=40 .*use 33 or 45"):
+        sample(stack, None, services, length=40, mode="target_only")
+    # A valid 12n - 3 length beyond the global cache's 81 frames needs recompute-window models.
+    with pytest.raises(ValueError, match="recompute-window"):
+        sample(stack, None, services, length=93, mode="target_only")
+    assert services.interrupt_checks == 0  # rejected before any model call
+    assert logic.geometry_problem(832, 480, 81) is None
+    assert "multiple of 16" in logic.geometry_problem(840, 480, 81)
+    assert "length" in logic.geometry_problem(832, 480, 80)
+    assert logic.geometry_problem(None, None, None) is None  # linked inputs are checked at run time
+
+
+def test_sdvg_mode_needs_the_prompt_text(stack, services):
+    router = logic.build_router(REWARD_FILE, 0.0, "min", "center", 0.0, services=services)
+    with pytest.raises(ValueError, match="reward_prompt is empty"):
+        sample(stack, router, services, reward_prompt="  ", length=9)
+    with pytest.raises(ValueError, match="needs a router"):
+        sample(stack, None, services, length=9)
+    with pytest.raises(ValueError, match="needs the target"):
+        sample(stack, router, services, target=None, length=9)
+    assert logic.needed_inputs("sdvg") == ["drafter", "target", "router"]
+    assert logic.needed_inputs("sdvg", drafter=1, target=2, router=3) == []
+    assert logic.needed_inputs("random", drafter=1) == ["target"]
+
+
+# ------------------------------------------------------------------------------------------------ other nodes
+def test_prompt_embeddings_node(services):
+    conditioning, prompt = logic.load_embeddings_node(EMBEDDINGS_FILE, 1, services=services)
+    assert prompt == PROMPTS[1]
+    assert len(conditioning) == 1 and conditioning[0][1] == {"pooled_output": None}
+    assert conditioning[0][0].shape == (1, 512, 4096) and conditioning[0][0].dtype == torch.float32
+    assert logic.context_from_conditioning(conditioning) is conditioning[0][0]
+    with pytest.raises(ValueError, match=r"holds 2 prompt\(s\)"):
+        logic.load_embeddings_node(EMBEDDINGS_FILE, 2, services=services)
+    with pytest.raises(FileNotFoundError):
+        logic.load_embeddings_node("missing.safetensors", 0, services=services)
+
+
+def test_loader_options(services):
+    target = logic.load_model_node(TARGET_FILE, "fp8", "cpu", "recompute_window", role="target", services=services)
+    assert any(isinstance(m, Fp8Linear) for m in target.model.modules())
+    assert (target.context_scheme, target.schedule, target.dtype) == ("recompute_window", "krea", "fp8")
+    assert target.new_generator() is not target.new_generator()  # per-run generators
+    with pytest.raises(ValueError, match="does not exist"):
+        logic.resolve_devices("cuda:7", services)
+    with pytest.raises(ValueError, match="context_scheme"):
+        logic.load_model_node(TARGET_FILE, "bf16", "cpu", "sliding", role="target", services=services)
+
+
+def test_long_video_with_recompute_window_models(services, stack):
+    drafter = logic.load_model_node(DRAFTER_FILE, "fp32", "cpu", "recompute_window", role="drafter", services=services)
+    out = sample(stack, None, services, drafter=drafter, mode="draft_only", length=93)
+    assert out.frames.shape[0] == 93 and out.mask.eq(1.0).all()
+
+
+def test_vae_conversion_matches_comfy_weights(services):
+    fake = FakeComfyVAE(seed=3)
+    stream, patcher = logic.streaming_vae(fake, services)
+    again, patcher2 = logic.streaming_vae(fake, services)
+    assert again.vae is stream.vae and patcher2 is patcher and again is not stream  # cached model, fresh stream
+    assert fake.first_stage_model.calls == 1
+    latents = torch.randn(1, 16, 3, 4, 6, generator=torch.Generator().manual_seed(0))
+    reference = StreamingWanVAE(fake.source)
+    torch.testing.assert_close(stream.decode_block(latents), reference.decode_block(latents))
+    with pytest.raises(ValueError, match="Wan2.1 VAE"):
+        logic.streaming_vae(type("NotWan", (), {"first_stage_model": torch.nn.Conv2d(3, 4, 1)})(), services)
+
+
+def test_reward_head_counts_from_safetensors_metadata(tmp_path, folders):
+    write_reward_with_heads_metadata(tmp_path / "tiny_reward.safetensors")
+    svc = logic.Services({**folders, "image_reward": [str(tmp_path)]})
+    router = logic.build_router("tiny_reward.safetensors", 0.0, "min", "center", 0.0, services=svc)
+    assert (router.scorer.config.vision_heads, router.scorer.config.text_heads) == (2, 2)
+    assert logic.combo_options(schema.REWARD_ROUTER.input("reward_model"), svc) == [REWARD_FILE, "tiny_reward.safetensors"]
+
+
+def test_combo_options(services):
+    assert logic.combo_options(schema.LOAD_DRAFTER.input("ckpt_name"), services) == [TARGET_FILE, DRAFTER_FILE]
+    assert logic.combo_options(schema.REWARD_ROUTER.input("reward_model"), services) == [REWARD_FILE]
+    assert logic.combo_options(schema.LOAD_DRAFTER.input("device"), services)[:2] == ["auto", "cpu"]
+    assert logic.combo_options(schema.SAMPLER.input("mode"), services) == list(schema.MODES)
+
+
+def test_score_plot_edge_cases():
+    empty = logic.score_plot({"settings": {"mode": "target_only", "tau": None}, "blocks": []})
+    assert empty.shape == (1, 360, 640, 3)
+    block = {"index": 0, "source": "target", "decision": {"block_score": None, "accept": False}}
+    assert logic.score_plot({"settings": {"mode": "sdvg", "tau": "inf"}, "blocks": [block]}).shape == (1, 360, 640, 3)

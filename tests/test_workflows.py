@@ -1,0 +1,236 @@
+"""Every shipped workflow (UI and API format) against the node schemas, plus the schemas' own contracts.
+
+Runs without ComfyUI: our nodes' schemas come from ``nodes.schema`` (the V3 classes are built from it),
+core nodes' from the hand-written table in ``workflow_checks``.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import json
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+
+from workflow_checks import CORE, ROOT, SPECS, check_api_workflow, check_ui_workflow, ui_to_api
+from nodes import schema
+
+UI_DIR = ROOT / "workflows"
+API_DIR = ROOT / "tests" / "api_workflows"
+UI_FILES = sorted(UI_DIR.glob("*.json"))
+API_FILES = sorted(API_DIR.glob("*.json"))
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_the_expected_workflows_ship():
+    names = {p.stem for p in UI_FILES}
+    assert {"sdvg_text_to_video", "sdvg_text_to_video_target_only", "sdvg_text_to_video_draft_only",
+            "sdvg_prompt_embeddings"} <= names
+    assert names == {p.stem for p in API_FILES}, "every UI workflow needs its API-format copy (and vice versa)"
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_workflow_matches_the_schemas(path):
+    wf = load(path)
+    assert wf.get("version") == 0.4 and isinstance(wf["nodes"], list) and isinstance(wf["links"], list)
+    uuid.UUID(wf["id"])  # the frontend's schema rejects a workflow whose id is not a UUID
+    assert check_ui_workflow(wf) == []
+    assert {n["type"] for n in wf["nodes"]} <= set(SPECS), "only core nodes and SDVG nodes"
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_api_workflow_matches_the_schemas(path):
+    assert check_api_workflow(load(path)) == []
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_api_copy_equals_the_ui_workflow(path):
+    api = load(API_DIR / path.name)
+    stripped = {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
+    assert stripped == ui_to_api(load(path))
+
+
+def test_workflow_modes_and_text_encoding():
+    sampler = {p.stem: next(n for n in load(p).values() if n["class_type"] == "SDVGSpeculativeSampler")
+               for p in API_FILES}
+    assert sampler["sdvg_text_to_video"]["inputs"]["mode"] == "sdvg"
+    assert sampler["sdvg_text_to_video_target_only"]["inputs"]["mode"] == "target_only"
+    assert sampler["sdvg_text_to_video_draft_only"]["inputs"]["mode"] == "draft_only"
+    t2v = load(API_DIR / "sdvg_text_to_video.json")
+    clip = next(n for n in t2v.values() if n["class_type"] == "CLIPLoader")
+    assert clip["inputs"]["type"] == "wan" and "umt5_xxl" in clip["inputs"]["clip_name"]
+    text = next(n for n in t2v.values() if n["class_type"] == "CLIPTextEncode")["inputs"]["text"]
+    assert sampler["sdvg_text_to_video"]["inputs"]["reward_prompt"] == text  # ImageReward scores the same prompt
+    emb = load(API_DIR / "sdvg_prompt_embeddings.json")
+    assert not any(n["class_type"] in ("CLIPLoader", "CLIPTextEncode") for n in emb.values())
+    assert isinstance(sampler["sdvg_prompt_embeddings"]["inputs"]["reward_prompt"], list)  # linked to the prompt
+
+
+# ------------------------------------------------------------------------------------- the checker finds errors
+@pytest.fixture
+def good():
+    return load(UI_DIR / "sdvg_text_to_video.json")
+
+
+def _node(wf, ntype):
+    return next(n for n in wf["nodes"] if n["type"] == ntype)
+
+
+def test_checker_catches_broken_ui_workflows(good):
+    bad = copy.deepcopy(good)
+    _node(bad, "SDVGSpeculativeSampler")["widgets_values"].pop(4)  # drops the seed's control value
+    assert any("widgets_values" in e for e in check_ui_workflow(bad))
+
+    bad = copy.deepcopy(good)
+    values = _node(bad, "SDVGSpeculativeSampler")["widgets_values"]
+    values[4], values[5] = values[5], values[4]  # seed and its control swapped
+    assert check_ui_workflow(bad)
+
+    bad = copy.deepcopy(good)
+    _node(bad, "SDVGRewardRouter")["widgets_values"][1] = 7.5  # tau above its max
+    assert any("above max" in e for e in check_ui_workflow(bad))
+
+    bad = copy.deepcopy(good)
+    _node(bad, "SDVGSpeculativeSampler")["widgets_values"][3] = 80  # not 12n - 3
+    assert any("12n - 3" in e for e in check_ui_workflow(bad))
+
+    bad = copy.deepcopy(good)
+    _node(bad, "SDVGLoadTarget")["widgets_values"][1] = "int4"
+    assert any("int4" in e for e in check_ui_workflow(bad))
+
+    bad = copy.deepcopy(good)  # the VAE wired into the drafter socket
+    sampler = _node(bad, "SDVGSpeculativeSampler")
+    vae_link = next(i["link"] for i in sampler["inputs"] if i["name"] == "vae")
+    drafter_link = next(i["link"] for i in sampler["inputs"] if i["name"] == "drafter")
+    for link in bad["links"]:
+        if link[0] == vae_link:
+            link[4] = 0
+    for inp in sampler["inputs"]:
+        if inp["name"] == "drafter":
+            inp["link"] = vae_link
+        if inp["name"] == "vae":
+            inp["link"] = None
+    bad["links"] = [l for l in bad["links"] if l[0] != drafter_link]
+    errors = check_ui_workflow(bad)
+    assert any("VAE" in e and "SDVG_MODEL" in e for e in errors) and any("'vae' is not connected" in e for e in errors)
+
+
+def test_checker_catches_broken_api_workflows():
+    api = load(API_DIR / "sdvg_text_to_video.json")
+    sampler_id = next(k for k, v in api.items() if v["class_type"] == "SDVGSpeculativeSampler")
+    bad = copy.deepcopy(api)
+    bad[sampler_id]["inputs"]["mode"] = "turbo"
+    assert any("turbo" in e for e in check_api_workflow(bad))
+    bad = copy.deepcopy(api)
+    del bad[sampler_id]["inputs"]["positive"]
+    assert any("positive" in e for e in check_api_workflow(bad))
+    bad = copy.deepcopy(api)
+    bad[sampler_id]["inputs"]["positive"] = [bad[sampler_id]["inputs"]["vae"][0], 0]
+    assert any("CONDITIONING" in e for e in check_api_workflow(bad))
+
+
+# ----------------------------------------------------------------------------------------- schema contracts
+#: Widget order per node, as saved in users' workflows: append optional inputs only, never reorder.
+FROZEN_WIDGETS = {
+    "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme"],
+    "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme"],
+    "SDVGRewardRouter": ["reward_model", "tau", "aggregation", "crop", "temporal_weight"],
+    "SDVGSpeculativeSampler": ["reward_prompt", "width", "height", "length", "seed", "mode", "force_first_block",
+                               "refine_from_step", "cascade", "random_accept_prob"],
+    "SDVGLoadPromptEmbeddings": ["embeddings_file", "index"],
+}
+
+
+def test_node_ids_and_widget_order_are_frozen():
+    assert [s.node_id for s in schema.NODES] == list(FROZEN_WIDGETS)
+    for spec in schema.NODES:
+        assert spec.node_id.startswith("SDVG") and spec.category == "SDVG"
+        assert [w.name for w in spec.widgets] == FROZEN_WIDGETS[spec.node_id]
+
+
+def test_every_input_and_output_is_documented_and_valid():
+    for spec in schema.NODES:
+        names = [i.name for i in spec.inputs] + [o.name for o in spec.outputs]
+        assert len(set(names)) == len(names), f"{spec.node_id}: V3 needs unique input/output ids"
+        for i in spec.inputs:
+            assert i.tooltip.strip(), f"{spec.node_id}.{i.name} has no tooltip"
+            if i.type == "COMBO" and i.options:
+                assert i.default in i.options
+            if i.type in ("INT", "FLOAT"):
+                assert i.min <= i.default <= i.max
+        for o in spec.outputs:
+            assert o.tooltip.strip()
+    sampler = schema.SAMPLER
+    assert sampler.input("seed").control_after_generate and sampler.input("seed").max == 2**64 - 1
+    assert sampler.input("reward_prompt").multiline and "TEXT" in sampler.input("reward_prompt").tooltip
+    tau = schema.REWARD_ROUTER.input("tau")
+    assert (tau.min, tau.max, tau.step, tau.default, tau.slider) == (-5.0, 5.0, 0.05, -0.7, True)
+    assert schema.SAMPLER.input("length").min == 9 and (schema.MAX_LENGTH - 9) % 12 == 0
+
+
+def test_loop_options_are_optional_trailing_inputs_with_engine_defaults():
+    from sdvg_engine.pipeline import SDVGOptions
+
+    inputs = schema.SAMPLER.inputs
+    optional_widgets = [i.name for i in inputs if i.optional and i.is_widget]
+    assert optional_widgets == ["refine_from_step", "cascade", "random_accept_prob"]
+    assert [i.name for i in inputs[-3:]] == optional_widgets
+    defaults = SDVGOptions()
+    assert schema.SAMPLER.input("cascade").default == defaults.cascade
+    assert schema.SAMPLER.input("random_accept_prob").default == defaults.random_accept_prob
+    assert defaults.refine_from_step is None and schema.SAMPLER.input("refine_from_step").default == 0  # 0 = off
+    assert schema.SAMPLER.input("force_first_block").default == defaults.force_first_block
+    assert tuple(schema.MODES) == tuple(__import__("sdvg_engine.pipeline", fromlist=["MODES"]).MODES)
+
+
+def test_docs_are_generated_from_the_schema():
+    assert (ROOT / "docs" / "nodes.md").read_text(encoding="utf-8") == schema.markdown_reference(), \
+        "regenerate with: python -m nodes.schema > docs/nodes.md"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_comfyui_is_imported_only_by_the_adapters():
+    comfy = {"comfy", "comfy_api", "folder_paths", "nodes", "server", "execution", "comfy_execution", "latent_preview"}
+    for path in [*(ROOT / "sdvg_engine").rglob("*.py"), ROOT / "nodes" / "logic.py", ROOT / "nodes" / "schema.py"]:
+        assert not (_imports(path) & comfy), f"{path} imports ComfyUI"
+    # Registered only through comfy_entrypoint: a NODE_CLASS_MAPPINGS would make ComfyUI skip it.
+    for path in [ROOT / "__init__.py", *(ROOT / "nodes").glob("*.py")]:
+        assert "NODE_CLASS_MAPPINGS =" not in path.read_text(encoding="utf-8")
+    assert "comfy_entrypoint" in (ROOT / "__init__.py").read_text(encoding="utf-8")
+
+
+def test_requirements_mirror_the_runtime_dependencies():
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    lines = [l.strip() for l in (ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines()]
+    requirements = [l for l in lines if l and not l.startswith("#")]
+    assert requirements == pyproject["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in requirements}
+    assert not names & {"torch", "torchvision", "torchaudio", "numpy"}
+    comfy = pyproject["tool"]["comfy"]
+    assert comfy["DisplayName"] == "SDVG — Speculative Video Generation" and comfy["Icon"] == ""
+    assert comfy["PublisherId"] and comfy["requires-comfyui"].startswith(">=")
+
+
+def test_core_schemas_are_minimal_and_sdvg_free():
+    assert not set(CORE) & set(schema.BY_ID)
+    for spec in CORE.values():
+        assert dataclasses.is_dataclass(spec) and not spec.node_id.startswith("SDVG")

@@ -1,0 +1,284 @@
+"""Static checks of ComfyUI workflow files against node schemas, without ComfyUI.
+
+Our nodes' schemas come from ``nodes.schema`` (what the V3 classes are built from). The core nodes the
+shipped workflows use get a minimal hand-written schema here, copied from ComfyUI's source
+(Comfy-Org/ComfyUI a125cd84, v0.3.64: nodes.py, comfy_extras/nodes_video.py, nodes_images.py,
+nodes_mask.py, nodes_preview_any.py); the end-to-end test compares them with a live server's
+``/object_info``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from nodes import schema  # noqa: E402
+from nodes.schema import InputSpec as I, NodeSpec, OutputSpec as O  # noqa: E402
+
+MODEL_EXTENSIONS = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".safetensors", ".pkl", ".sft")
+CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+
+
+def _core(node_id, inputs, outputs=(), output_node=False) -> NodeSpec:
+    return NodeSpec(node_id=node_id, display_name=node_id, description="", inputs=tuple(inputs),
+                    outputs=tuple(O(t, t, "") for t in outputs), category="core", is_output_node=output_node)
+
+
+CORE = {s.node_id: s for s in (
+    _core("CLIPLoader", [I("clip_name", "COMBO", "", options_from=("files", "text_encoders")),
+                         I("type", "COMBO", "", options=("stable_diffusion", "wan")),  # a subset: "wan" is what we use
+                         I("device", "COMBO", "", options=("default", "cpu"), optional=True)], ["CLIP"]),
+    _core("CLIPTextEncode", [I("text", "STRING", "", multiline=True), I("clip", "CLIP", "")], ["CONDITIONING"]),
+    _core("VAELoader", [I("vae_name", "COMBO", "", options_from=("files", "vae"))], ["VAE"]),
+    _core("CreateVideo", [I("images", "IMAGE", ""), I("fps", "FLOAT", "", default=30.0, min=1.0, max=120.0, step=1.0),
+                          I("audio", "AUDIO", "", optional=True)], ["VIDEO"]),
+    _core("SaveVideo", [I("video", "VIDEO", ""), I("filename_prefix", "STRING", "", default="video/ComfyUI"),
+                        I("format", "COMBO", "", options=("auto", "mp4"), default="auto"),
+                        I("codec", "COMBO", "", options=("auto", "h264"), default="auto")], output_node=True),
+    _core("SaveAnimatedWEBP", [I("images", "IMAGE", ""), I("filename_prefix", "STRING", "", default="ComfyUI"),
+                               I("fps", "FLOAT", "", default=6.0, min=0.01, max=1000.0, step=0.01),
+                               I("lossless", "BOOLEAN", "", default=True),
+                               I("quality", "INT", "", default=80, min=0, max=100),
+                               I("method", "COMBO", "", options=("default", "fastest", "slowest"))], output_node=True),
+    _core("MaskToImage", [I("mask", "MASK", "")], ["IMAGE"]),
+    _core("SaveImage", [I("images", "IMAGE", ""), I("filename_prefix", "STRING", "", default="ComfyUI")], output_node=True),
+    _core("PreviewAny", [I("source", "*", "")], output_node=True),
+)}
+
+SPECS: dict[str, NodeSpec] = {**CORE, **schema.BY_ID}
+
+
+def spec_of(class_type: str) -> NodeSpec:
+    if class_type not in SPECS:
+        raise AssertionError(f"unknown node type {class_type!r}: not an SDVG node nor a core node the tests know")
+    return SPECS[class_type]
+
+
+def types_match(out_type: str, in_type: str) -> bool:
+    if "*" in (out_type, in_type):
+        return True
+    return bool(set(out_type.split(",")) & set(in_type.split(",")))
+
+
+def value_problem(spec: I, value) -> str | None:
+    """Why ``value`` is not valid for widget ``spec`` (what ComfyUI's server validation checks, plus our own)."""
+    where = f"{spec.name}={value!r}"
+    if spec.type == "INT":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{where}: not an int"
+    elif spec.type == "FLOAT":
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"{where}: not a number"
+    elif spec.type == "BOOLEAN":
+        if not isinstance(value, bool):
+            return f"{where}: not a boolean"
+    elif spec.type == "STRING":
+        if not isinstance(value, str):
+            return f"{where}: not a string"
+    elif spec.type == "COMBO":
+        if spec.options:
+            if value not in spec.options:
+                return f"{where}: not one of {list(spec.options)}"
+        elif spec.options_from == (schema.DEVICES,):
+            if not (value in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", str(value))):
+                return f"{where}: not a device"
+        elif not (isinstance(value, str) and value.endswith(MODEL_EXTENSIONS)):
+            return f"{where}: not a model file name"
+    if spec.type in ("INT", "FLOAT"):
+        if spec.min is not None and value < spec.min:
+            return f"{where}: below min {spec.min}"
+        if spec.max is not None and value > spec.max:
+            return f"{where}: above max {spec.max}"
+    return None
+
+
+def node_problems(class_type: str, values: dict) -> list[str]:
+    """Cross-widget checks our nodes' ``validate_inputs`` would make (linked values are skipped)."""
+    problems = []
+    if class_type == "SDVGSpeculativeSampler":
+        length = values.get("length")
+        if isinstance(length, int) and ((length - 9) % 12 or length < 9):
+            problems.append(f"length={length}: not 12n - 3")
+        for k in ("width", "height"):
+            if isinstance(values.get(k), int) and values[k] % 16:
+                problems.append(f"{k}={values[k]}: not a multiple of 16")
+        if values.get("mode") == "sdvg" and isinstance(values.get("reward_prompt"), str) and not values["reward_prompt"].strip():
+            problems.append("reward_prompt is empty in mode sdvg")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------- UI format
+def check_ui_workflow(wf: dict) -> list[str]:
+    """All problems of a UI-format (litegraph v0.4) workflow; empty when it is valid."""
+    errors: list[str] = []
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    if len(nodes) != len(wf["nodes"]):
+        errors.append("duplicate node ids")
+    links = {}
+    for link in wf["links"]:
+        if len(link) != 6:
+            errors.append(f"link {link}: expected [id, src, src_slot, dst, dst_slot, type]")
+            continue
+        links[link[0]] = link
+    if wf.get("last_link_id", 0) < max(links, default=0) or wf.get("last_node_id", 0) < max(nodes, default=0):
+        errors.append("last_node_id / last_link_id smaller than the ids used")
+
+    for node in wf["nodes"]:
+        where = f"node {node['id']} ({node['type']})"
+        try:
+            spec = spec_of(node["type"])
+        except AssertionError as e:
+            errors.append(str(e))
+            continue
+        # widgets_values: positional, one per widget (+1 after a control_after_generate seed).
+        values = list(node.get("widgets_values") or [])
+        expected = sum(i.widget_values for i in spec.widgets)
+        if len(values) != expected:
+            errors.append(f"{where}: {len(values)} widgets_values, expected {expected} "
+                          f"({[i.name for i in spec.widgets]})")
+            continue
+        named, k = {}, 0
+        for w in spec.widgets:
+            named[w.name] = values[k]
+            k += 1
+            if w.control_after_generate:
+                if values[k] not in CONTROL_VALUES:
+                    errors.append(f"{where}: control_after_generate value {values[k]!r} after {w.name}")
+                k += 1
+        linked_widgets = {i["name"] for i in node.get("inputs", []) if i.get("widget") and i.get("link") is not None}
+        for w in spec.widgets:
+            if w.name not in linked_widgets and (p := value_problem(w, named[w.name])):
+                errors.append(f"{where}: {p}")
+        errors += [f"{where}: {p}" for p in node_problems(node["type"], {k: v for k, v in named.items() if k not in linked_widgets})]
+        # Inputs: sockets and linked widgets, with matching names and types.
+        by_name = {i.name: i for i in spec.inputs}
+        seen = set()
+        for slot, inp in enumerate(node.get("inputs", [])):
+            ispec = by_name.get(inp["name"])
+            if ispec is None:
+                errors.append(f"{where}: unknown input {inp['name']!r}")
+                continue
+            seen.add(inp["name"])
+            if ispec.is_widget and not inp.get("widget"):
+                errors.append(f"{where}: widget input {inp['name']!r} listed without its 'widget' entry")
+            want_type = ispec.type if ispec.type != "COMBO" else "COMBO"
+            if inp.get("type") != want_type:
+                errors.append(f"{where}: input {inp['name']!r} has type {inp.get('type')!r}, schema says {want_type!r}")
+            lid = inp.get("link")
+            if lid is not None:
+                link = links.get(lid)
+                if link is None or link[3] != node["id"] or link[4] != slot:
+                    errors.append(f"{where}: input {inp['name']!r} names link {lid} which does not end at slot {slot}")
+        sockets = [i["name"] for i in node.get("inputs", []) if i["name"] in by_name and not by_name[i["name"]].is_widget]
+        expected_sockets = [i.name for i in sorted(spec.inputs, key=lambda i: i.optional) if not i.is_widget]
+        if [n for n in expected_sockets if n in sockets] != sockets:
+            errors.append(f"{where}: socket order {sockets}, the frontend's is {expected_sockets} (required, then optional)")
+        for ispec in spec.inputs:
+            if not ispec.is_widget and not ispec.optional:
+                linked = [i for i in node.get("inputs", []) if i["name"] == ispec.name and i.get("link") is not None]
+                if not linked:
+                    errors.append(f"{where}: required input {ispec.name!r} is not connected")
+        # Outputs: the schema's, in order, each listing its links.
+        outs = node.get("outputs", [])
+        if [(o["name"], o["type"]) for o in outs] != [(o.name, o.type) for o in spec.outputs]:
+            errors.append(f"{where}: outputs {[(o['name'], o['type']) for o in outs]} != schema "
+                          f"{[(o.name, o.type) for o in spec.outputs]}")
+        for slot, out in enumerate(outs):
+            for lid in out.get("links") or []:
+                link = links.get(lid)
+                if link is None or link[1] != node["id"] or link[2] != slot:
+                    errors.append(f"{where}: output {out['name']!r} lists link {lid} which does not start at slot {slot}")
+
+    for lid, (_, src, src_slot, dst, dst_slot, ltype) in links.items():
+        if src not in nodes or dst not in nodes:
+            errors.append(f"link {lid}: missing node")
+            continue
+        try:
+            out = spec_of(nodes[src]["type"]).outputs[src_slot]
+            dst_input = nodes[dst]["inputs"][dst_slot]
+            in_spec = spec_of(nodes[dst]["type"]).input(dst_input["name"])
+        except (IndexError, KeyError, AssertionError) as e:
+            errors.append(f"link {lid}: bad slot ({e})")
+            continue
+        if ltype != out.type:
+            errors.append(f"link {lid}: type {ltype!r} but the source output is {out.type!r}")
+        if not types_match(out.type, in_spec.type):
+            errors.append(f"link {lid}: {nodes[src]['type']}.{out.name} ({out.type}) -> "
+                          f"{nodes[dst]['type']}.{in_spec.name} ({in_spec.type})")
+        if dst_input.get("link") != lid:
+            errors.append(f"link {lid}: the destination input does not name it")
+        if lid not in (nodes[src]["outputs"][src_slot].get("links") or []):
+            errors.append(f"link {lid}: the source output does not list it")
+    if not any(spec_of(n["type"]).is_output_node for n in wf["nodes"] if n["type"] in SPECS):
+        errors.append("no output node: ComfyUI would refuse to run it")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------------- API format
+def check_api_workflow(prompt: dict) -> list[str]:
+    """All problems of an API-format prompt (what POST /prompt takes); empty when it is valid."""
+    errors: list[str] = []
+    for nid, node in prompt.items():
+        where = f"node {nid} ({node.get('class_type')})"
+        try:
+            spec = spec_of(node["class_type"])
+        except AssertionError as e:
+            errors.append(str(e))
+            continue
+        inputs = node.get("inputs", {})
+        by_name = {i.name: i for i in spec.inputs}
+        for name in inputs:
+            if name not in by_name:
+                errors.append(f"{where}: unknown input {name!r}")
+        plain = {}
+        for ispec in spec.inputs:
+            if ispec.name not in inputs:
+                if not ispec.optional:
+                    errors.append(f"{where}: required input {ispec.name!r} missing")
+                continue
+            value = inputs[ispec.name]
+            if isinstance(value, list):  # a link [source id, output slot]
+                if len(value) != 2 or str(value[0]) not in prompt:
+                    errors.append(f"{where}: {ispec.name} links to a missing node {value}")
+                    continue
+                src = prompt[str(value[0])]
+                try:
+                    out = spec_of(src["class_type"]).outputs[value[1]]
+                except (IndexError, AssertionError) as e:
+                    errors.append(f"{where}: {ispec.name} links to a bad output ({e})")
+                    continue
+                if not types_match(out.type, ispec.type):
+                    errors.append(f"{where}: {ispec.name} ({ispec.type}) linked to {src['class_type']}.{out.name} ({out.type})")
+            elif not ispec.is_widget:
+                errors.append(f"{where}: socket {ispec.name!r} must be a link, got {value!r}")
+            else:
+                plain[ispec.name] = value
+                if p := value_problem(ispec, value):
+                    errors.append(f"{where}: {p}")
+        errors += [f"{where}: {p}" for p in node_problems(node["class_type"], plain)]
+    if not any(spec_of(n["class_type"]).is_output_node for n in prompt.values() if n.get("class_type") in SPECS):
+        errors.append("no output node: ComfyUI would refuse to run it")
+    return errors
+
+
+def ui_to_api(wf: dict) -> dict:
+    """What the frontend's "Export (API)" makes of a UI workflow (links as [src, slot], widgets by name)."""
+    links = {l[0]: l for l in wf["links"]}
+    prompt = {}
+    for node in wf["nodes"]:
+        spec = spec_of(node["type"])
+        values, k, inputs = list(node.get("widgets_values") or []), 0, {}
+        for w in spec.widgets:
+            inputs[w.name] = values[k]
+            k += 2 if w.control_after_generate else 1
+        for inp in node.get("inputs", []):
+            if inp.get("link") is not None:
+                link = links[inp["link"]]
+                inputs[inp["name"]] = [str(link[1]), link[2]]
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
