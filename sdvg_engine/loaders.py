@@ -26,14 +26,16 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloat16", device="cpu",
                    context_scheme: str = "auto", schedule: str = "auto", fp8: bool = False,
                    num_heads: int | None = None, max_frames: int = 21, attention_bias: float | None = None,
-                   anchor_encoder=None) -> CausalGenerator:
+                   anchor_encoder=None, fuse_qkv: bool = False) -> CausalGenerator:
     """Load a causal Wan checkpoint and wrap it as a :class:`CausalGenerator`.
 
     ``context_scheme="auto"`` takes the scheme the checkpoint was trained with (14B Krea: recompute
     window; Self-Forcing 1.3B: global cache); ``schedule="auto"`` takes the matching schedule
-    (``krea``'s 5 calls with the recompute window, ``self_forcing``'s 4 otherwise).
+    (``krea``'s 5 calls with the recompute window, ``self_forcing``'s 4 otherwise). ``fuse_qkv``
+    fuses the attention projections (inference only; see ``bench/bench_speed.py`` for its effect).
     """
-    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device=device, num_heads=num_heads, fp8=fp8)
+    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device=device, num_heads=num_heads,
+                                  fp8=fp8, fuse_qkv=fuse_qkv)
     scheme_name = info.context_scheme if context_scheme == "auto" else context_scheme
     if scheme_name not in CONTEXT_SCHEMES:
         raise ValueError(f"context_scheme must be 'auto' or one of {CONTEXT_SCHEMES}, got {context_scheme!r}")

@@ -126,3 +126,18 @@ def test_cross_attention_attends_to_padding(model):
     full = model.forward_block(x, torch.full((1, 3), 500.0), model.encode_text(ctx))
     truncated = model.forward_block(x, torch.full((1, 3), 500.0), model.encode_text(ctx[:, :7]))
     assert (full - truncated).abs().max().item() > 1e-4
+
+
+def test_fused_qkv_matches_unfused(text):
+    ctx, _ = text
+    plain, fused = tiny_wan(seed=9), tiny_wan(seed=9)
+    assert fused.fuse_qkv() == 2 * 2  # self- and cross-attention of both layers
+    assert not hasattr(fused.blocks[0].attn1, "to_q")  # replaced, not duplicated
+    latents, times = _blocks_and_times(2)
+    outs = []
+    for m in (plain, fused):
+        cache = m.new_kv_cache(1, 4, 6, capacity_frames=6)
+        text_kv = m.encode_text(ctx)
+        m.forward_block(latents[:, :, :3], times[:, :3], text_kv, cache, 0)
+        outs.append(m.forward_block(latents[:, :, 3:], times[:, 3:], text_kv, cache, 3))
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5

@@ -164,3 +164,13 @@ def test_inspect_describes_file(source, tmp_path):
     text = info.describe()
     assert "self_forcing" in text and "generator_ema" in text and "global_cache" in text
     json.dumps(info.to_dict())
+
+
+def test_fused_and_fp8_load(source, reference_output, tmp_path):
+    path = _write("comfyui", source, tmp_path)
+    x, expected = reference_output
+    fused, _ = load_causal_wan(path, dtype=torch.float32, fuse_qkv=True)
+    assert (_output(fused, x) - expected).abs().max().item() <= 1e-5
+    both, _ = load_causal_wan(path, dtype=torch.float32, fuse_qkv=True, fp8=True)
+    assert both.blocks[0].attn1.to_qkv.weight_fp8.dtype == torch.float8_e4m3fn
+    assert (_output(both, x) - expected).abs().max().item() < 0.1 * expected.abs().max().item()

@@ -148,8 +148,12 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         keys, values = [], []
         for block in self.blocks:
             attn = block.attn2
-            keys.append(attn.norm_k(attn.to_k(context)).unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
-            values.append(attn.to_v(context).unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
+            if getattr(attn, "sdvg_fused", False):
+                k, v = attn.to_kv(context).chunk(2, dim=-1)
+            else:
+                k, v = attn.to_k(context), attn.to_v(context)
+            keys.append(attn.norm_k(k).unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
+            values.append(v.unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
         return TextKV(keys, values)
 
     # ---- positions and time ---------------------------------------------------------------------
@@ -184,11 +188,43 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         modulation = _linear_fp32(emb.time_proj, F.silu(temb))
         return temb, modulation.unflatten(-1, (6, -1))
 
+    # ---- inference-only fusion ------------------------------------------------------------------------
+    @torch.no_grad()
+    def fuse_qkv(self) -> int:
+        """Fuse each self-attention's q/k/v projections into one matmul (and cross-attention's k/v).
+
+        The separate Linear layers are *replaced*, not kept beside the fused one (diffusers'
+        ``fuse_projections`` keeps both, which would add 6 GB to a 14B model), so a fused model is for
+        inference only: its state dict no longer has the original keys. Returns how many layers fused.
+        """
+        fused = 0
+        for block in self.blocks:
+            for attn, names, fused_name in ((block.attn1, ("to_q", "to_k", "to_v"), "to_qkv"), (block.attn2, ("to_k", "to_v"), "to_kv")):
+                if getattr(attn, "sdvg_fused", False):
+                    continue
+                parts = [getattr(attn, n) for n in names]
+                if not all(isinstance(p, torch.nn.Linear) for p in parts):
+                    raise RuntimeError("fuse_qkv() must run before fp8 quantization")
+                linear = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=True,
+                                         device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+                linear.weight.copy_(torch.cat([p.weight for p in parts]))
+                linear.bias.copy_(torch.cat([p.bias for p in parts]))
+                for n in names:
+                    delattr(attn, n)
+                setattr(attn, fused_name, linear)
+                attn.sdvg_fused = True
+                fused += 1
+        return fused
+
     # ---- attention --------------------------------------------------------------------------------
     def _self_attention(self, attn, x, rope, kv_cache: KVCache | None, layer: int, start_frame: int, attn_mask):
-        q = attn.norm_q(attn.to_q(x)).unflatten(2, (self.num_heads, -1))
-        k = attn.norm_k(attn.to_k(x)).unflatten(2, (self.num_heads, -1))
-        v = attn.to_v(x).unflatten(2, (self.num_heads, -1))
+        if getattr(attn, "sdvg_fused", False):
+            q, k, v = attn.to_qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+        q = attn.norm_q(q).unflatten(2, (self.num_heads, -1))
+        k = attn.norm_k(k).unflatten(2, (self.num_heads, -1))
+        v = v.unflatten(2, (self.num_heads, -1))
         # Keys are cached after RoPE, so a cached frame keeps the position it was written at.
         q, k = _apply_rope(q, *rope).transpose(1, 2), _apply_rope(k, *rope).transpose(1, 2)
         v = v.transpose(1, 2)

@@ -332,6 +332,7 @@ def load_causal_wan(
     device: str | torch.device = "cpu",
     num_heads: int | None = None,
     fp8: bool = False,
+    fuse_qkv: bool = False,
 ) -> tuple[CausalWanTransformer3DModel, CheckpointInfo]:
     """Load a causal Wan2.1 transformer from any supported file. See the module docstring for formats.
 
@@ -339,6 +340,7 @@ def load_causal_wan(
         dtype: compute/storage dtype (float32, bfloat16 or float16). Modulation tables and the time
             embedding stay in float32, as in diffusers.
         fp8: store the block Linear weights in float8 (e4m3) and upcast per matmul.
+        fuse_qkv: fuse the attention projections into one matmul each (inference only).
     Returns:
         ``(model, info)``; ``info.context_scheme`` is the scheme the checkpoint was trained with.
     """
@@ -346,6 +348,8 @@ def load_causal_wan(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     state, info = read_checkpoint(path, num_heads=num_heads)
     model = build_model(info.config, state, dtype=dtype, device=device, path=str(path))
+    if fuse_qkv:
+        model.fuse_qkv()
     if fp8:
         n = quantize_blocks_fp8(model)
         info.notes.append(f"{n} block Linear layers stored in float8_e4m3fn")
