@@ -4,11 +4,10 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test bench clean
+.PHONY: venv test demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_SPEC)"
 	$(VPY) -m pip install -q -e ".[test,video]"
 	touch $@
@@ -18,8 +17,17 @@ venv: $(VENV)/.installed
 test: venv
 	$(VPY) -m pytest -q
 
+# Every benchmark figure in README.md, each printed side by side in one run (CPU; see real_size.py for GPUs).
 bench: venv
 	$(VPY) bench/bench_kv_cache.py
+	$(VPY) bench/bench_pipeline.py
+	$(VPY) bench/bench_vae.py
+	$(VPY) bench/bench_reward.py
+	$(VPY) bench/bench_speed.py
+	$(VPY) bench/memory_plan.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+demo: venv
+	$(VPY) -m sdvg_engine.toy.demo --out outputs

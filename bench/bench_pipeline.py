@@ -38,11 +38,13 @@ def main():
     p.add_argument("--blocks", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--latent", default="8x12")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     h, w = map(int, args.latent.split("x"))
     frames = 12 * args.blocks - 3
-    drafter_model, target_model = model(2, 2, 1), model(6, 6, 2)  # ~10x compute per block
+    # Sized like the real pair relative to the VAE: the target's block costs ~3x the VAE decode.
+    drafter_model, target_model = model(2, 2, 1), model(8, 8, 2)
     torch.manual_seed(0)
     vae = StreamingWanVAE(AutoencoderKLWan(base_dim=8, z_dim=16).eval().requires_grad_(False))
     scorer = build_tiny_image_reward(seed=0)
@@ -53,8 +55,9 @@ def main():
         router = ForcedRouter(scorer, pattern) if pattern is not None else RewardRouter(scorer, tau=-math.inf)
         pipe = SpeculativePipeline(CausalGenerator(drafter_model, context=GlobalCache(max(21, 3 * args.blocks))),
                                    CausalGenerator(target_model, context=GlobalCache(max(21, 3 * args.blocks))), vae, router)
-        return pipe.generate(context, prompt="a red ball", num_frames=frames, width=8 * w, height=8 * h, seed=0,
-                             options=SDVGOptions(mode=mode)).report
+        reports = [pipe.generate(context, prompt="a red ball", num_frames=frames, width=8 * w, height=8 * h, seed=0,
+                                 options=SDVGOptions(mode=mode)).report for _ in range(args.repeats)]
+        return min(reports, key=lambda r: r["seconds"]["wall"])
 
     run("target_only")  # warm-up
     n_draft = args.blocks - 1
@@ -65,7 +68,8 @@ def main():
 
     base = rows[0][1]["seconds"]["wall"]
     d, t = (sum(p.numel() for p in m.parameters()) / 1e6 for m in (drafter_model, target_model))
-    print(f"drafter {d:.1f}M params, target {t:.1f}M params; latent {h}x{w}; {args.blocks} blocks; {args.threads} threads")
+    print(f"drafter {d:.1f}M params, target {t:.1f}M params; latent {h}x{w}; {args.blocks} blocks; {args.threads} threads; "
+          f"fastest of {args.repeats} runs each")
     print("| run | wall s | vs target-only | drafter s | target s | VAE s | reward s | loop overhead |")
     print("|---|---|---|---|---|---|---|---|")
     for label, r in rows:

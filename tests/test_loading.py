@@ -174,3 +174,19 @@ def test_fused_and_fp8_load(source, reference_output, tmp_path):
     both, _ = load_causal_wan(path, dtype=torch.float32, fuse_qkv=True, fp8=True)
     assert both.blocks[0].attn1.to_qkv.weight_fp8.dtype == torch.float8_e4m3fn
     assert (_output(both, x) - expected).abs().max().item() < 0.1 * expected.abs().max().item()
+
+
+def test_config_in_metadata_is_used_for_widths_shapes_cannot_tell(tmp_path):
+    """A 96-wide model with 3 heads of 32: shapes alone cannot give the heads; the file's config does."""
+    model = tiny_wan(seed=6, num_attention_heads=3, attention_head_dim=32, ffn_dim=128)
+    path = tmp_path / "narrow.safetensors"
+    save_checkpoint(model, path)
+    loaded, info = load_causal_wan(path, dtype=torch.float32)
+    assert info.config["num_attention_heads"] == 3 and info.config["attention_head_dim"] == 32
+    x = torch.randn(1, 16, 3, 4, 6)
+    assert torch.equal(_output(loaded, x), _output(model, x))
+    from safetensors.torch import load_file
+
+    save_file(load_file(str(path)), str(tmp_path / "bare.safetensors"))  # same tensors, no metadata
+    with pytest.raises(CheckpointError, match="cannot infer the number of heads for width 96"):
+        load_causal_wan(tmp_path / "bare.safetensors")

@@ -20,6 +20,7 @@ assigned, so a 14B model is never allocated twice.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -27,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from diffusers import WanTransformer3DModel
 
 from .causal_wan import CausalWanTransformer3DModel, architecture_name
 
@@ -186,8 +189,9 @@ def _config_from_metadata(metadata: dict) -> dict | None:
     if META_CONFIG not in metadata:
         return None
     raw = json.loads(metadata[META_CONFIG])
-    allowed = set(CausalWanTransformer3DModel.__init__.__code__.co_varnames)
-    config = {k: v for k, v in raw.items() if k in allowed and not k.startswith("_")}
+    # The signature, not __code__: diffusers' register_to_config wraps __init__ in (*args, **kwargs).
+    allowed = set(inspect.signature(WanTransformer3DModel.__init__).parameters) - {"self"}
+    config = {k: v for k, v in raw.items() if k in allowed}
     if "patch_size" in config:
         config["patch_size"] = tuple(config["patch_size"])
     return config

@@ -1,0 +1,341 @@
+"""SDVG on the embedded toy world: a tau sweep against the baselines, with ground-truth quality.
+
+    python -m sdvg_engine.toy.demo --out outputs
+
+Loads the shipped tiny models (hash-checked), generates every prompt with ``target_only``, ``draft_only``,
+``first_block_only``, ``sdvg`` at each tau and ``random`` routing at the acceptance rate each tau reached
+(matched acceptance), scores every clip with the world's ground-truth metric (:func:`world.clip_metrics`)
+and writes to ``--out``:
+
+* ``videos/*.webp`` (and ``*.mp4`` when PyAV is installed): target-only, draft-only and SDVG at the showcase tau;
+* ``acceptance_mask.png``: per prompt, the SDVG frames with a bar under each (green = accepted draft, red = target);
+* ``report.json``: every run (settings, quality, timings, acceptance) and the summary;
+* ``pareto.png``: quality vs measured speedup (target-only wall time / run wall time, summed over prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..context import GlobalCache
+from ..generator import CausalGenerator
+from ..pipeline import SDVGOptions, SpeculativePipeline
+from ..router import RewardRouter
+from .models import load_toy_models
+from .text import embed_caption
+from .world import SIZE, Scene, all_scenes, clip_metrics
+
+NUM_FRAMES = 45  # 4 blocks of 3 latent frames
+DEFAULT_TAUS = (-0.5, 0.5, 1.0, 1.5)
+SHOWCASE_PROMPTS = (
+    "a red ball moving right on black",
+    "a blue square moving down on white",
+    "a green triangle moving left on gray",
+    "a yellow ball moving up on gray",
+    "a blue triangle moving right on black",
+    "a red square moving left on white",
+)
+
+
+def prompts_for(n: int) -> list[str]:
+    """The showcase prompts first, then a fixed spread over the rest of the world."""
+    out = list(SHOWCASE_PROMPTS[:n])
+    rest = [s.caption for s in all_scenes() if s.caption not in out]
+    rng = np.random.default_rng(2024)
+    for i in rng.permutation(len(rest)):
+        if len(out) >= n:
+            break
+        out.append(rest[i])
+    return out
+
+
+def build_pipeline(models, tau: float = 0.0) -> SpeculativePipeline:
+    drafter = CausalGenerator(models.drafter, schedule="self_forcing", context=GlobalCache(21))
+    target = CausalGenerator(models.target, schedule="self_forcing", context=GlobalCache(21))
+    router = RewardRouter(models.scorer, tau=tau, aggregation="min")
+    return SpeculativePipeline(drafter, target, models.vae, router)
+
+
+def _run(pipe, caption, seed, options):
+    result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=NUM_FRAMES, width=SIZE, height=SIZE,
+                           seed=seed, options=options)
+    metrics = clip_metrics(result.frames.numpy(), caption)
+    return result, metrics
+
+
+def sweep(models, prompts, seeds, taus, *, log=print):
+    """Run every configuration on every (prompt, seed); returns (configs, per-run results kept for output)."""
+    pipe = build_pipeline(models)
+    items = [(p, s) for p in prompts for s in seeds]
+    configs: dict[str, dict] = {}
+    kept = {}
+
+    def record(name, mode, tau, p, item, result, metrics):
+        c = configs.setdefault(name, {"name": name, "mode": mode, "tau": tau, "random_accept_prob": p, "runs": []})
+        acc = result.report["acceptance"]
+        c["runs"].append({
+            "prompt": item[0], "seed": item[1], "quality": metrics["quality"], "adherence": metrics["adherence"],
+            "temporal": metrics["temporal"], "wall_seconds": result.report["seconds"]["wall"],
+            "seconds": result.report["seconds"], "decisions": result.report["decisions"],
+            "draft_scores": result.report["draft_scores"], "accepted_blocks": acc["accepted_blocks"],
+            "drafted_blocks": acc["drafted_blocks"], "engine_speedup_estimate": result.report["speedup_vs_target"],
+        })
+        kept[(name, item)] = result
+
+    # Warm-up (first calls allocate caches and are slow).
+    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="target_only"))
+    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="draft_only"))
+    for item in items:
+        for mode in ("target_only", "draft_only", "first_block_only"):
+            result, metrics = _run(pipe, *item, SDVGOptions(mode=mode))
+            record(mode, mode, None, None, item, result, metrics)
+        for tau in taus:
+            pipe.router.tau = float(tau)
+            result, metrics = _run(pipe, *item, SDVGOptions(mode="sdvg"))
+            record(f"sdvg tau={tau:g}", "sdvg", float(tau), None, item, result, metrics)
+        log(f"  {item[0]!r} seed {item[1]}: done")
+    # Random routing at the acceptance rate each tau reached (matched acceptance).
+    for tau in taus:
+        c = configs[f"sdvg tau={tau:g}"]
+        p = sum(r["accepted_blocks"] for r in c["runs"]) / max(1, sum(r["drafted_blocks"] for r in c["runs"]))
+        name = f"random p={p:.2f}"
+        if name in configs:
+            continue
+        for item in items:
+            result, metrics = _run(pipe, *item, SDVGOptions(mode="random", random_accept_prob=p))
+            record(name, "random", None, p, item, result, metrics)
+    summarize(configs)
+    return configs, kept
+
+
+def vae_ceiling(models, prompts, seed: int = 0) -> dict:
+    """Ground-truth quality of rendered clips and of their VAE round trip (the ceiling for any generator)."""
+    from .world import render
+
+    vae = models.vae
+    rendered, roundtrip = [], []
+    for caption in prompts:
+        clip = render(Scene.parse(caption), NUM_FRAMES, seed)
+        x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].mul(2).sub(1)
+        with torch.no_grad():
+            z = vae.normalize(vae.vae.encode(x).latent_dist.mean)
+        vae.reset()
+        frames = torch.cat([vae.decode_block(z[:, :, b : b + 3]) for b in range(0, z.shape[2], 3)], dim=2)
+        frames = ((frames[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
+        rendered.append(clip_metrics(clip, caption)["quality"])
+        roundtrip.append(clip_metrics(frames, caption)["quality"])
+    vae.reset()
+    return {"rendered_quality": float(np.mean(rendered)), "vae_roundtrip_quality": float(np.mean(roundtrip))}
+
+
+def summarize(configs: dict) -> None:
+    base_wall = sum(r["wall_seconds"] for r in configs["target_only"]["runs"])
+    for c in configs.values():
+        runs = c["runs"]
+        c["quality"] = float(np.mean([r["quality"] for r in runs]))
+        c["adherence"] = float(np.mean([r["adherence"] for r in runs]))
+        c["temporal"] = float(np.mean([r["temporal"] for r in runs]))
+        c["wall_seconds"] = float(sum(r["wall_seconds"] for r in runs))
+        c["speedup"] = base_wall / c["wall_seconds"]
+        drafted = sum(r["drafted_blocks"] for r in runs)
+        c["acceptance"] = sum(r["accepted_blocks"] for r in runs) / drafted if drafted else 0.0
+        est = [r["engine_speedup_estimate"] for r in runs if r["engine_speedup_estimate"]]
+        c["engine_speedup_estimate"] = float(np.mean(est)) if est else None
+
+
+def findings(configs: dict) -> dict:
+    t, d = configs["target_only"], configs["draft_only"]
+    sd = [c for c in configs.values() if c["mode"] == "sdvg"]
+    good = [c for c in sd if c["quality"] >= 0.98 * t["quality"] and t["quality"] > 0]
+    best = max(good, key=lambda c: c["speedup"]) if good else None
+    matched = []
+    for c in sd:
+        p = c["acceptance"]
+        r = configs.get(f"random p={p:.2f}")
+        if r is not None:
+            matched.append({"tau": c["tau"], "acceptance": p, "sdvg_quality": c["quality"], "random_quality": r["quality"],
+                            "sdvg_speedup": c["speedup"], "random_speedup": r["speedup"]})
+    informative = [m for m in matched if 0.0 < m["acceptance"] < 1.0]
+    return {
+        "target_quality": t["quality"], "drafter_quality": d["quality"],
+        "target_vs_drafter_gain": t["quality"] / d["quality"] - 1 if d["quality"] > 0 else None,
+        "best_tau_within_98pct_of_target": None if best is None else {
+            "tau": best["tau"], "quality": best["quality"], "quality_ratio": best["quality"] / t["quality"] if t["quality"] > 0 else None,
+            "speedup": best["speedup"], "acceptance": best["acceptance"]},
+        "meets_98pct_at_1.5x": bool(best is not None and best["speedup"] >= 1.5),
+        "router_vs_random_at_matched_acceptance": matched,
+        "router_beats_random": (None if not informative else
+                                bool(np.mean([m["sdvg_quality"] - m["random_quality"] for m in informative]) > 0)),
+    }
+
+
+# ---- outputs ---------------------------------------------------------------------------------------------
+def _to_uint8(frames: torch.Tensor, scale: int) -> np.ndarray:
+    x = (frames.clamp(0, 1).numpy() * 255).round().astype(np.uint8)
+    return x.repeat(scale, axis=1).repeat(scale, axis=2)
+
+
+def write_video(frames: torch.Tensor, path: Path, *, scale: int = 4, fps: int = 12) -> list[str]:
+    from PIL import Image
+
+    arr = _to_uint8(frames, scale)
+    images = [Image.fromarray(a) for a in arr]
+    webp = path.with_suffix(".webp")
+    images[0].save(webp, format="WEBP", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0, lossless=True)
+    written = [str(webp)]
+    try:
+        import av  # optional
+
+        mp4 = path.with_suffix(".mp4")
+        with av.open(str(mp4), mode="w") as container:
+            stream = container.add_stream("libx264", rate=fps)
+            stream.width, stream.height, stream.pix_fmt = arr.shape[2], arr.shape[1], "yuv420p"
+            for a in arr:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        written.append(str(mp4))
+    except Exception:  # noqa: BLE001 - PyAV missing or without an H.264 encoder: WebP only
+        pass
+    return written
+
+
+def write_mask_strip(rows: list[tuple[str, torch.Tensor, torch.Tensor]], path: Path, *, scale: int = 2) -> None:
+    """One row per prompt: every frame, with a bar under it (green = accepted draft, red = target)."""
+    from PIL import Image, ImageDraw
+
+    cell, bar, label = SIZE * scale, 6, 14
+    width = max(f.shape[0] for _, f, _ in rows) * cell
+    img = Image.new("RGB", (width, len(rows) * (label + cell + bar + 4)), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    y = 0
+    for caption, frames, mask in rows:
+        draw.text((2, y + 1), caption, fill=(0, 0, 0))
+        y += label
+        arr = _to_uint8(frames, scale)
+        for i, a in enumerate(arr):
+            img.paste(Image.fromarray(a), (i * cell, y))
+            colour = (40, 170, 60) if mask[i] > 0.5 else (200, 50, 50)
+            draw.rectangle([i * cell, y + cell + 1, (i + 1) * cell - 2, y + cell + bar], fill=colour)
+        y += cell + bar + 4
+    img.save(path)
+
+
+def write_pareto(configs: dict, path: Path) -> None:
+    from PIL import Image, ImageDraw
+
+    W, H, L, R, T, B = 720, 480, 70, 30, 40, 60
+    img = Image.new("RGB", (W, H), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    pts = list(configs.values())
+    xs = [c["speedup"] for c in pts]
+    ys = [c["quality"] for c in pts]
+    x0, x1 = 0.0, max(xs) * 1.1
+    y0, y1 = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
+    if y1 - y0 < 1e-6:
+        y1 = y0 + 0.1
+
+    def px(x, y):
+        return L + (x - x0) / (x1 - x0) * (W - L - R), H - B - (y - y0) / (y1 - y0) * (H - T - B)
+
+    d.rectangle([L, T, W - R, H - B], outline=(0, 0, 0))
+    for k in range(6):
+        xv = x0 + (x1 - x0) * k / 5
+        yv = y0 + (y1 - y0) * k / 5
+        gx, _ = px(xv, y0)
+        _, gy = px(x0, yv)
+        d.line([gx, H - B, gx, H - B + 4], fill=(0, 0, 0))
+        d.text((gx - 10, H - B + 6), f"{xv:.2f}", fill=(0, 0, 0))
+        d.line([L - 4, gy, L, gy], fill=(0, 0, 0))
+        d.text((L - 40, gy - 6), f"{yv:.3f}", fill=(0, 0, 0))
+    d.text((W // 2 - 110, H - 25), "measured speedup vs target_only (x)", fill=(0, 0, 0))
+    d.text((8, 10), "ground-truth quality (toy world) vs speedup; SDVG tau sweep (blue line)", fill=(0, 0, 0))
+    sd = sorted([c for c in pts if c["mode"] == "sdvg"], key=lambda c: c["speedup"])
+    if len(sd) > 1:
+        d.line([px(c["speedup"], c["quality"]) for c in sd], fill=(40, 90, 220), width=2)
+    colours = {"sdvg": (40, 90, 220), "target_only": (200, 40, 40), "draft_only": (230, 140, 0),
+               "first_block_only": (140, 60, 170), "random": (110, 110, 110)}
+    for c in pts:
+        x, y = px(c["speedup"], c["quality"])
+        col = colours[c["mode"]]
+        if c["mode"] == "random":
+            d.rectangle([x - 4, y - 4, x + 4, y + 4], outline=col, width=2)
+        else:
+            d.ellipse([x - 5, y - 5, x + 5, y + 5], fill=col)
+        name = c["name"] if c["mode"] != "sdvg" else f"tau={c['tau']:g}"
+        d.text((x + 7, y - 6), name, fill=col)
+    img.save(path)
+
+
+def format_table(configs: dict) -> str:
+    lines = [f"{'config':<22} {'quality':>8} {'adher.':>7} {'tempo.':>7} {'accept':>7} {'wall s':>7} {'speedup':>8}"]
+    for c in configs.values():
+        lines.append(f"{c['name']:<22} {c['quality']:>8.3f} {c['adherence']:>7.3f} {c['temporal']:>7.3f} "
+                     f"{c['acceptance']:>7.2f} {c['wall_seconds']:>7.2f} {c['speedup']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="outputs", help="output folder (created)")
+    ap.add_argument("--prompts", type=int, default=4, help="number of prompts (showcase prompts first)")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per prompt")
+    ap.add_argument("--taus", type=float, nargs="+", default=list(DEFAULT_TAUS), help="SDVG thresholds to sweep")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice, at most 2)")
+    ap.add_argument("--no-videos", action="store_true", help="skip the WebP/MP4 files")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))
+    out = Path(args.out)
+    (out / "videos").mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    models = load_toy_models()
+    prompts = prompts_for(args.prompts)
+    seeds = list(range(args.seeds))
+    print(f"SDVG toy demo: {len(prompts)} prompts x {len(seeds)} seeds, taus {args.taus}, {NUM_FRAMES} frames of {SIZE}x{SIZE}")
+    configs, kept = sweep(models, prompts, seeds, args.taus)
+    showcase_tau = sorted(args.taus)[len(args.taus) // 2]
+    show = f"sdvg tau={showcase_tau:g}"
+    files = {"videos": [], "acceptance_mask": str(out / "acceptance_mask.png"), "report": str(out / "report.json"),
+             "pareto": str(out / "pareto.png")}
+    rows = []
+    for i, p in enumerate(prompts):
+        item = (p, seeds[0])
+        slug = p.replace("a ", "", 1).replace(" ", "_")
+        if not args.no_videos:
+            for name, tag in (("target_only", "target_only"), ("draft_only", "draft_only"), (show, f"sdvg_tau{showcase_tau:g}")):
+                files["videos"] += write_video(kept[(name, item)].frames, out / "videos" / f"{i:02d}_{slug}_{tag}")
+        rows.append((f"{p}  (tau={showcase_tau:g})", kept[(show, item)].frames, kept[(show, item)].acceptance_mask))
+    write_mask_strip(rows, out / "acceptance_mask.png")
+    write_pareto(configs, out / "pareto.png")
+    summary = findings(configs)
+    summary["ceiling"] = vae_ceiling(models, prompts)
+    report = {"num_frames": NUM_FRAMES, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
+              "showcase_tau": showcase_tau, "threads": torch.get_num_threads(), "configs": list(configs.values()),
+              "findings": summary, "files": files, "seconds": time.perf_counter() - began}
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
+    print(format_table(configs))
+    f = summary
+    print(f"ceiling: rendered clips {f['ceiling']['rendered_quality']:.3f}, after the VAE round trip "
+          f"{f['ceiling']['vae_roundtrip_quality']:.3f}")
+    print(f"target vs drafter quality: {f['target_quality']:.3f} vs {f['drafter_quality']:.3f} "
+          f"({100 * (f['target_vs_drafter_gain'] or 0):+.1f}%)")
+    b = f["best_tau_within_98pct_of_target"]
+    print("best tau within 98% of target quality: " + ("none" if b is None else
+          f"tau={b['tau']:g} quality {b['quality']:.3f} ({100 * (b['quality_ratio'] or 0):.1f}% of target) at {b['speedup']:.2f}x, acceptance {b['acceptance']:.2f}"))
+    for m in f["router_vs_random_at_matched_acceptance"]:
+        print(f"  tau={m['tau']:g}: acceptance {m['acceptance']:.2f}: reward router {m['sdvg_quality']:.3f} vs random {m['random_quality']:.3f}")
+    print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/, acceptance_mask.png, pareto.png, report.json "
+          f"({report['seconds']:.0f}s)")
+    return report
+
+
+if __name__ == "__main__":
+    main()

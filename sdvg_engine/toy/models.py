@@ -1,0 +1,130 @@
+"""Configs and loaders of the toy world's tiny models (the engine's real classes, tiny sizes).
+
+* VAE: ``diffusers.AutoencoderKLWan`` (base_dim 8, z_dim 16, one res block per stage), 32x32 px -> 4x4 latents;
+  its ``latents_mean`` / ``latents_std`` are the trained encoder's per-channel statistics.
+* drafter / target: :class:`CausalWanTransformer3DModel`, patch 1x1x1 (16 tokens per latent frame), text_dim 4096.
+* reward: ``sdvg_engine.reward.ImageRewardModel`` with a tiny config (32x32 ViT), BLIP tokenizer.
+
+Weights live in ``weights/`` as safetensors; :func:`load_toy_models` checks each file's sha256 against
+``weights/MANIFEST.json`` before loading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+WEIGHTS = Path(__file__).resolve().parent / "weights"
+MANIFEST = WEIGHTS / "MANIFEST.json"
+FILES = {"vae": "vae.safetensors", "drafter": "drafter.safetensors", "target": "target.safetensors", "reward": "reward.safetensors"}
+
+VAE_CONFIG = dict(base_dim=8, z_dim=16, num_res_blocks=1)
+_DIT_COMMON = dict(patch_size=(1, 1, 1), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+DRAFTER_CONFIG = dict(_DIT_COMMON, num_attention_heads=2, attention_head_dim=32, ffn_dim=256, num_layers=2)
+TARGET_CONFIG = dict(_DIT_COMMON, num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=4)
+REWARD_HEADS = dict(vision_heads=2, text_heads=2)
+
+
+def reward_config():
+    from sdvg_engine.reward import ImageRewardConfig
+
+    return ImageRewardConfig.tiny()
+
+
+def build_vae(latents_mean=None, latents_std=None):
+    from diffusers import AutoencoderKLWan
+
+    kw = dict(VAE_CONFIG)
+    if latents_mean is not None:
+        kw.update(latents_mean=[float(x) for x in latents_mean], latents_std=[float(x) for x in latents_std])
+    return AutoencoderKLWan(**kw)
+
+
+def build_dit(which: str):
+    from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel
+
+    return CausalWanTransformer3DModel(**(DRAFTER_CONFIG if which == "drafter" else TARGET_CONFIG))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest() -> dict:
+    entries = {}
+    for name, file in FILES.items():
+        path = WEIGHTS / file
+        if path.exists():
+            entries[file] = {"sha256": sha256(path), "bytes": path.stat().st_size}
+    MANIFEST.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+    return entries
+
+
+def check_weights(names=tuple(FILES)) -> None:
+    """Raise if a weight file is missing or its sha256 differs from MANIFEST.json."""
+    if not MANIFEST.exists():
+        raise FileNotFoundError(f"{MANIFEST} is missing; run scripts/train_toy.py all")
+    manifest = json.loads(MANIFEST.read_text())
+    for name in names:
+        file = FILES[name]
+        path = WEIGHTS / file
+        if not path.exists() or file not in manifest:
+            raise FileNotFoundError(f"toy weight {path} (or its MANIFEST entry) is missing; run scripts/train_toy.py {name}")
+        digest = sha256(path)
+        if digest != manifest[file]["sha256"]:
+            raise ValueError(f"{path}: sha256 {digest} does not match MANIFEST.json ({manifest[file]['sha256']})")
+
+
+def save_vae(vae, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    cfg = {k: vae.config[k] for k in ("base_dim", "z_dim", "num_res_blocks", "latents_mean", "latents_std")}
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, str(path), metadata={"config": json.dumps(cfg)})
+
+
+def load_vae(path: Path = WEIGHTS / FILES["vae"]):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        cfg = json.loads(f.metadata()["config"])
+    vae = build_vae(cfg["latents_mean"], cfg["latents_std"])
+    vae.load_state_dict(load_file(str(path)), strict=True)
+    return vae.eval().requires_grad_(False)
+
+
+def load_reward(path: Path = WEIGHTS / FILES["reward"]):
+    from sdvg_engine.reward import load_image_reward
+
+    return load_image_reward(path, **REWARD_HEADS)
+
+
+@dataclass
+class ToyModels:
+    vae: object  # StreamingWanVAE
+    drafter: object  # CausalWanTransformer3DModel
+    target: object
+    scorer: object  # ImageRewardScorer
+
+
+def load_toy_models(check: bool = True) -> ToyModels:
+    """Load the four shipped models (float32, CPU) after checking their hashes."""
+    from sdvg_engine.models.loading import load_causal_wan
+    from sdvg_engine.vae import StreamingWanVAE
+
+    if check:
+        check_weights()
+    # num_heads is passed because the engine's loader does not read the config from the file's metadata
+    # (see the report: ``_config_from_metadata`` inspects a decorated __init__) and cannot infer heads for width < 128.
+    drafter, _ = load_causal_wan(WEIGHTS / FILES["drafter"], dtype=torch.float32, num_heads=DRAFTER_CONFIG["num_attention_heads"])
+    target, _ = load_causal_wan(WEIGHTS / FILES["target"], dtype=torch.float32, num_heads=TARGET_CONFIG["num_attention_heads"])
+    return ToyModels(vae=StreamingWanVAE(load_vae()), drafter=drafter.eval(), target=target.eval(), scorer=load_reward())

@@ -1,0 +1,83 @@
+"""The embedded toy world: deterministic rendering, a metric that ranks clean above corrupted, shipped
+weights that match their hashes, and a short demo run that writes every output."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sdvg_engine.toy import models as toy_models
+from sdvg_engine.toy.text import embed_caption
+from sdvg_engine.toy.world import CORRUPTIONS, Scene, all_scenes, clip_metrics, corrupt, render
+
+
+def test_world_renders_deterministically():
+    scene = Scene("red", "ball", "left", "gray")
+    a, b = render(scene, 45, seed=3), render(scene, 45, seed=3)
+    assert a.shape == (45, 32, 32, 3) and a.dtype == np.float32
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, render(scene, 45, seed=4))  # the seed moves the start position
+    assert 0.0 <= a.min() and a.max() <= 1.0
+    assert len(all_scenes()) == 144
+    assert Scene.parse(scene.caption) == scene
+    with pytest.raises(ValueError, match="vocabulary"):
+        Scene.parse("a purple ball moving left on gray")
+
+
+def test_text_embedding_is_fixed_and_padded():
+    ctx = embed_caption("a red ball moving left on gray")
+    assert ctx.shape == (1, 512, 4096)
+    assert ctx[0, 7:].abs().sum() == 0 and ctx[0, :7].abs().sum() > 0
+    assert torch.equal(ctx, embed_caption("a red ball moving left on gray"))
+    assert not torch.equal(ctx, embed_caption("a red ball moving right on gray"))
+
+
+def test_metric_ranks_clean_above_corrupted():
+    rng = np.random.default_rng(0)
+    for scene in all_scenes()[::17]:
+        clean = render(scene, 45, seed=1)
+        q_clean = clip_metrics(clean, scene.caption)["quality"]
+        assert q_clean > 0.85
+        for kind in CORRUPTIONS:
+            if kind == "noise":
+                continue  # mild noise is meant to cost little
+            q = clip_metrics(corrupt(clean, scene, kind, rng, seed=1), scene)["quality"]
+            assert q < q_clean - 0.1, (scene.caption, kind, q, q_clean)
+    # A static clip violates the motion: the temporal term drops.
+    scene = all_scenes()[0]
+    static = np.repeat(render(scene, 45, seed=1)[:1], 45, axis=0)
+    assert clip_metrics(static, scene)["temporal"] < 0.5
+
+
+def test_shipped_weights_match_their_hashes():
+    toy_models.check_weights()
+    manifest = json.loads(toy_models.MANIFEST.read_text())
+    total = sum(entry["bytes"] for entry in manifest.values())
+    assert set(manifest) == set(toy_models.FILES.values())
+    assert total <= 20 * 2**20
+
+
+def test_short_demo_run(tmp_path):
+    from sdvg_engine.toy import demo
+
+    report = demo.main(["--out", str(tmp_path), "--prompts", "2", "--taus", "0", "1", "--threads", "1"])
+    names = {c["name"] for c in report["configs"]}
+    assert {"target_only", "draft_only", "first_block_only", "sdvg tau=0", "sdvg tau=1"} <= names
+    assert any(n.startswith("random p=") for n in names)
+    for c in report["configs"]:
+        assert len(c["runs"]) == 2 and 0.0 <= c["quality"] <= 1.0 and c["speedup"] > 0
+        for run in c["runs"]:
+            assert len(run["decisions"]) == 4
+    from PIL import Image
+
+    with Image.open(tmp_path / "pareto.png") as im:
+        assert im.size == (720, 480)
+    with Image.open(tmp_path / "acceptance_mask.png") as im:
+        assert im.size[0] == 45 * 64 and im.size[1] > 0
+    webps = sorted((tmp_path / "videos").glob("*.webp"))
+    assert len(webps) == 6
+    with Image.open(webps[0]) as im:
+        assert im.size == (128, 128) and getattr(im, "n_frames", 1) == 45
+    loaded = json.loads((tmp_path / "report.json").read_text())
+    assert loaded["findings"]["target_quality"] == pytest.approx(report["findings"]["target_quality"])
