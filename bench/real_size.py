@@ -64,9 +64,6 @@ def build_stack(args, device):
 
     def dit(cfg):
         model = random_module(lambda: CausalWanTransformer3DModel(**cfg), device, dtype)
-        from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-
-        model.rope = WanRotaryPosEmbed(cfg["attention_head_dim"], cfg["patch_size"], 1024).to(device)
         for name, p in model.named_parameters():  # modulation and time embedding stay fp32, as when loading
             if any(k in name for k in ("scale_shift_table", "time_embedder", "norm")):
                 p.data = p.data.float()

@@ -157,26 +157,38 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         return TextKV(keys, values)
 
     # ---- positions and time ---------------------------------------------------------------------
+    def _rope_tables(self) -> tuple[torch.Tensor, ...]:
+        """Per-axis angle tables ``[max_positions, d_axis/2]`` (time, height, width), float64 on CPU.
+
+        Built from the config rather than read from diffusers' rope buffers, whose layout has changed
+        between diffusers releases (and which are meta tensors after a meta-device build).
+        """
+        if getattr(self, "_sdvg_rope_tables", None) is None:
+            head_dim = self.config.attention_head_dim
+            h_dim = w_dim = 2 * (head_dim // 6)
+            t_dim = head_dim - h_dim - w_dim
+            positions = torch.arange(self.config.rope_max_seq_len, dtype=torch.float64)
+            tables = []
+            for dim in (t_dim, h_dim, w_dim):
+                inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+                tables.append(torch.outer(positions, inv_freq))
+            self._sdvg_rope_tables = tuple(tables)
+        return self._sdvg_rope_tables
+
     def _rope(self, start_frame: int, num_frames: int, hp: int, wp: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[L, 1, d/2]`` for frames ``start_frame..start_frame+F-1`` of an ``hp x wp`` token grid."""
-        rope = self.rope
-        if start_frame + num_frames > rope.max_seq_len or max(hp, wp) > rope.max_seq_len:
+        max_positions = self.config.rope_max_seq_len
+        if start_frame + num_frames > max_positions or max(hp, wp) > max_positions:
             raise ValueError(
-                f"RoPE table has {rope.max_seq_len} positions; frame position {start_frame + num_frames - 1} "
+                f"RoPE table has {max_positions} positions; frame position {start_frame + num_frames - 1} "
                 f"or grid {hp}x{wp} exceeds it"
             )
-        # The buffers repeat each frequency for the two channels of a pair; keep one of each.
-        cos_t, cos_h, cos_w = rope.freqs_cos[:, 0::2].split([rope.t_dim // 2, rope.h_dim // 2, rope.w_dim // 2], dim=1)
-        sin_t, sin_h, sin_w = rope.freqs_sin[:, 0::2].split([rope.t_dim // 2, rope.h_dim // 2, rope.w_dim // 2], dim=1)
-        frames = slice(start_frame, start_frame + num_frames)
-
-        def grid(t, h, w):
-            t = t[frames].view(num_frames, 1, 1, -1).expand(num_frames, hp, wp, -1)
-            h = h[:hp].view(1, hp, 1, -1).expand(num_frames, hp, wp, -1)
-            w = w[:wp].view(1, 1, wp, -1).expand(num_frames, hp, wp, -1)
-            return torch.cat([t, h, w], dim=-1).reshape(num_frames * hp * wp, 1, -1).to(device, torch.float32)
-
-        return grid(cos_t, cos_h, cos_w), grid(sin_t, sin_h, sin_w)
+        t, h, w = self._rope_tables()
+        t = t[start_frame : start_frame + num_frames].view(num_frames, 1, 1, -1).expand(num_frames, hp, wp, -1)
+        h = h[:hp].view(1, hp, 1, -1).expand(num_frames, hp, wp, -1)
+        w = w[:wp].view(1, 1, wp, -1).expand(num_frames, hp, wp, -1)
+        angles = torch.cat([t, h, w], dim=-1).reshape(num_frames * hp * wp, 1, -1)
+        return angles.cos().to(device, torch.float32), angles.sin().to(device, torch.float32)
 
     def _time_embedding(self, timesteps: torch.Tensor):
         """timesteps ``[B, F]`` -> ``temb [B, F, D]`` and modulation ``[B, F, 6, D]`` (float32)."""

@@ -314,8 +314,6 @@ def _check_keys(model: torch.nn.Module, state: dict, path: str) -> None:
 
 def build_model(config: dict, state: dict, *, dtype=torch.bfloat16, device="cpu", path: str = "<state dict>") -> CausalWanTransformer3DModel:
     """Meta-device build + ``assign`` load: weights are converted once, straight onto ``device``."""
-    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-
     with torch.device("meta"):
         model = CausalWanTransformer3DModel(**config)
     _check_keys(model, state, path)
@@ -324,8 +322,11 @@ def build_model(config: dict, state: dict, *, dtype=torch.bfloat16, device="cpu"
         target = torch.float32 if any(p in key for p in _FP32_PATTERNS) else dtype
         converted[key] = state.pop(key).to(device=device, dtype=target)
     model.load_state_dict(converted, strict=True, assign=True)
-    # Non-persistent buffers were created on the meta device: rebuild the RoPE tables for real.
-    model.rope = WanRotaryPosEmbed(config["attention_head_dim"], config["patch_size"], model.rope.max_seq_len).to(device)
+    # diffusers' own RoPE buffers are non-persistent, so still on the meta device; the causal forward
+    # builds its tables from the config. Rebuild them anyway so diffusers' forward() works too.
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    model.rope = WanRotaryPosEmbed(config["attention_head_dim"], config["patch_size"], config.get("rope_max_seq_len", 1024)).to(device)
     return model.eval().requires_grad_(False)
 
 
