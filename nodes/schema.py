@@ -127,7 +127,7 @@ def _model_loader(node_id: str, display: str, role: str, dtypes: tuple[str, ...]
             InputSpec("context_scheme", "COMBO", options=CONTEXT_SCHEMES, default="auto",
                       tooltip="How the model sees earlier frames. auto = what the checkpoint was trained with "
                               "(Self-Forcing 1.3B: global_cache, up to 81 frames; Krea 14B: recompute_window, any "
-                              "length). recompute_window also selects Krea's 5-call schedule."),
+                              "length). The denoising schedule follows the weights (14B Krea: 5 calls; 1.3B Self-Forcing: 4)."),
         ),
         outputs=(OutputSpec("model", SDVG_MODEL, f"The loaded {role} (shared by runs; never modified by the sampler)."),),
     )
@@ -211,8 +211,10 @@ SAMPLER = NodeSpec(
                           "after this many steps instead of from pure noise (3 is the reference's best). 0 = off "
                           "(full regeneration)."),
         InputSpec("cascade", "BOOLEAN", default=False, optional=True,
-                  tooltip="Score 4 evenly spaced frames first and decide early when that is already certain "
-                          "(exact with min aggregation; needs temporal_weight 0)."),
+                  tooltip="Score 4 evenly spaced frames first. With min aggregation a partial minimum below tau "
+                          "rejects exactly; a partial minimum at least 0.5 above tau accepts early (a heuristic: an "
+                          "unscored frame could still be below tau); otherwise all frames are scored. Needs "
+                          "temporal_weight 0."),
         InputSpec("random_accept_prob", "FLOAT", default=0.73, min=0.0, max=1.0, step=0.01, round=0.001,
                   optional=True, tooltip="Acceptance probability of mode 'random' (per block, deterministic in the seed)."),
     ),

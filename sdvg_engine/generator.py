@@ -59,6 +59,7 @@ class CausalGenerator:
         self.kv_cache: KVCache | None = None
         self.text_kv: TextKV | None = None
         self._text_source: torch.Tensor | None = None
+        self._text_key: tuple | None = None
         self.calls: Counter = Counter()
         self.seconds: Counter = Counter()
         self.before_call: Callable[[str, str], None] | None = None
@@ -81,11 +82,11 @@ class CausalGenerator:
             self.kv_cache = None  # free the old allocation before making the new one
             self.kv_cache = self.model.new_kv_cache(batch, latent_height, latent_width, capacity)
         self.kv_cache.reset()
-        if self._text_source is None or self._text_source.shape != prompt_embeds.shape or not torch.equal(
-            self._text_source, prompt_embeds.to(self._text_source.device)
-        ):
+        text_key = (self.model.device, self.model.compute_dtype)
+        if (self._text_source is None or self._text_key != text_key or self._text_source.shape != prompt_embeds.shape
+                or not torch.equal(self._text_source, prompt_embeds.to(self._text_source.device))):
             self.text_kv = self.model.encode_text(prompt_embeds)
-            self._text_source = prompt_embeds.detach().clone()
+            self._text_source, self._text_key = prompt_embeds.detach().clone(), text_key
         self.context.reset()
         self.calls.clear()
         self.seconds.clear()

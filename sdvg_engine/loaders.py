@@ -30,8 +30,8 @@ def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloa
     """Load a causal Wan checkpoint and wrap it as a :class:`CausalGenerator`.
 
     ``context_scheme="auto"`` takes the scheme the checkpoint was trained with (14B Krea: recompute
-    window; Self-Forcing 1.3B: global cache); ``schedule="auto"`` takes the matching schedule
-    (``krea``'s 5 calls with the recompute window, ``self_forcing``'s 4 otherwise). ``fuse_qkv``
+    window; Self-Forcing 1.3B: global cache); ``schedule="auto"`` takes the schedule the weights were
+    distilled for (``krea``'s 5 calls for the 14B, ``self_forcing``'s 4 otherwise). ``fuse_qkv``
     fuses the attention projections (inference only; see ``bench/bench_speed.py`` for its effect).
     """
     model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device=device, num_heads=num_heads,
@@ -42,7 +42,9 @@ def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloa
     scheme: ContextScheme = make_context_scheme(scheme_name, max_frames=max_frames, attention_bias=attention_bias,
                                                 anchor_encoder=anchor_encoder)
     if schedule == "auto":
-        schedule = "krea" if scheme_name == "recompute_window" else "self_forcing"
+        # The schedule belongs to the weights, not to the context scheme: Krea 14B was distilled for
+        # 5 calls; Self-Forcing 1.3B for 4, also when it runs with a recompute window (long videos).
+        schedule = "krea" if info.architecture == "Wan2.1-T2V-14B" else "self_forcing"
     gen = CausalGenerator(model, schedule=schedule, context=scheme, name=name)
     gen.info = info
     return gen

@@ -308,6 +308,8 @@ class SpeculativePipeline:
         run.active = [g for g, used in ((self.drafter, uses_drafter), (self.target, uses_target)) if used]
         for gen in (self.drafter, self.target):
             gen.before_call = run.check_cancel
+            gen.calls.clear()  # a model this mode does not use must not report a previous run's calls
+            gen.seconds.clear()
         h, w = height // 8, width // 8
         for gen in run.active:
             gen.start(prompt_embeds, latent_height=h, latent_width=w, num_blocks=num_blocks)
@@ -322,8 +324,6 @@ class SpeculativePipeline:
     def _finish(self, wall: float) -> SDVGResult:
         run = self._run
         records = run.records
-        target_generated = sum(r.source == "target" for r in records)
-        target_seconds = run.timer.seconds.get("target", 0.0)
         settings = {
             **asdict(run.options), "seed": run.seed, "num_frames": run.num_frames, "width": run.width, "height": run.height,
             "prompt": run.prompt, "drafter_schedule": self.drafter.schedule.name, "target_schedule": self.target.schedule.name,
@@ -335,11 +335,29 @@ class SpeculativePipeline:
         report = build_report(
             settings=settings, blocks=records, wall_seconds=wall, timer=run.timer,
             calls={g.name: dict(g.calls) for g in (self.drafter, self.target)},
-            target_block_seconds=target_seconds / target_generated if target_generated else None,
+            model_seconds={g.name: {k: round(v, 6) for k, v in g.seconds.items()} for g in (self.drafter, self.target)},
+            target_only_model_seconds=self._target_only_seconds(len(records)),
             memory={"drafter_kv_cache_bytes": self.drafter.kv_cache_bytes, "target_kv_cache_bytes": self.target.kv_cache_bytes},
         )
         return SDVGResult(frames=torch.cat(run.frames), latents=torch.cat(run.latents, dim=2),
                           acceptance_mask=torch.cat(run.mask), blocks=records, report=report)
+
+
+    def _target_only_seconds(self, num_blocks: int) -> float | None:
+        """What the target's model calls of an all-target video would cost, from this run's per-call times.
+
+        All-target = every block's full schedule + one context pass (commit or recompute) before each
+        later block. Per-call times, not per-block totals: a run's target total also holds deferred
+        commits of accepted drafts and, with hybrid regeneration, partial schedules.
+        """
+        calls, seconds = self.target.calls, self.target.seconds
+        if not calls.get("denoise"):
+            return None
+        per_denoise = seconds["denoise"] / calls["denoise"]
+        context_kinds = [k for k in ("commit", "recompute") if calls.get(k)]
+        # A t=0 context pass has the shape of a denoising call; use that when none was measured.
+        per_context = sum(seconds[k] for k in context_kinds) / sum(calls[k] for k in context_kinds) if context_kinds else per_denoise
+        return per_denoise * self.target.schedule.num_steps * num_blocks + per_context * (num_blocks - 1)
 
 
 class _Run:

@@ -77,19 +77,19 @@ def _finite(x):
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
 
 
-def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, timer: ComponentTimer,
-                 wall_seconds: float, target_block_seconds: float | None, memory: dict) -> dict:
+def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, model_seconds: dict, timer: ComponentTimer,
+                 wall_seconds: float, target_only_model_seconds: float | None, memory: dict) -> dict:
     """The JSON-serialisable summary of a run.
 
     ``speedup_vs_target`` estimates what an all-target run would have cost from the per-call times
-    measured in this run (target seconds per generated block x blocks + the decode of every kept
-    block), divided by this run's wall time.
+    measured in this run (``target_only_model_seconds``: the target's calls of an all-target video,
+    plus the decode of every kept block), divided by this run's wall time.
     """
     drafted = [b for b in blocks if b.drafted]
     accepted = [b for b in drafted if b.source == "draft"]
     later = blocks[1:]
     decode_kept = sum(b.decode_seconds for b in blocks)
-    estimate = None if target_block_seconds is None else target_block_seconds * len(blocks) + decode_kept
+    estimate = None if target_only_model_seconds is None else target_only_model_seconds + decode_kept
     seconds = {c: round(timer.seconds.get(c, 0.0), 6) for c in COMPONENTS}
     inside = sum(timer.seconds.get(c, 0.0) for c in COMPONENTS)
     return {
@@ -107,6 +107,7 @@ def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, time
             "rate_all_blocks": len(accepted) / len(blocks) if blocks else None,
         },
         "model_calls": calls,
+        "model_call_seconds": model_seconds,
         "seconds": {**seconds, "wall": round(wall_seconds, 6), "outside_components": round(wall_seconds - inside, 6)},
         "loop_overhead_fraction": (wall_seconds - inside) / wall_seconds if wall_seconds > 0 else None,
         "estimated_target_only_seconds": None if estimate is None else round(estimate, 6),

@@ -162,3 +162,14 @@ def test_explicit_noise_tensors(model):
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="no block 2"):
         TensorNoise(full, 3).initial(2, (1, 16, 3, H, W))
+
+
+def test_auto_schedule_follows_the_weights_not_the_scheme(tmp_path):
+    from sdvg_engine.loaders import load_generator
+    from sdvg_engine.models.loading import save_checkpoint
+
+    path = tmp_path / "tiny.safetensors"
+    save_checkpoint(tiny_wan(seed=1), path)
+    gen = load_generator(path, dtype="fp32", context_scheme="recompute_window")
+    assert gen.context.name == "recompute_window" and gen.schedule.name == "self_forcing"
+    assert load_generator(path, dtype="fp32", schedule="krea").schedule.name == "krea"

@@ -256,7 +256,8 @@ def test_prompt_embeddings_node(services):
 def test_loader_options(services):
     target = logic.load_model_node(TARGET_FILE, "fp8", "cpu", "recompute_window", role="target", services=services)
     assert any(isinstance(m, Fp8Linear) for m in target.model.modules())
-    assert (target.context_scheme, target.schedule, target.dtype) == ("recompute_window", "krea", "fp8")
+    # The schedule follows the weights (only the 14B is Krea), not the context scheme.
+    assert (target.context_scheme, target.schedule, target.dtype) == ("recompute_window", "self_forcing", "fp8")
     assert target.new_generator() is not target.new_generator()  # per-run generators
     with pytest.raises(ValueError, match="does not exist"):
         logic.resolve_devices("cuda:7", services)

@@ -61,9 +61,12 @@ class CheckpointInfo:
     context_scheme: str
     source_entry: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: per-tensor scales of float8-stored weights (applied while building; not part of the description)
+    fp8_scales: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("fp8_scales")
         d["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.config.items()}
         return d
 
@@ -137,7 +140,7 @@ def _strip_prefix(state: dict) -> tuple[dict, str]:
     keys = list(state)
     for prefix, fmt in (("model.diffusion_model.", "comfyui"), ("diffusion_model.", "comfyui"), ("model.", "model.")):
         if keys and all(k.startswith(prefix) for k in keys if not k.startswith("scaled_fp8")):
-            return {k[len(prefix):]: v for k, v in state.items()}, fmt
+            return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}, fmt
     return dict(state), ""
 
 
@@ -145,17 +148,21 @@ def _is_original(state: dict) -> bool:
     return any(".self_attn." in k for k in state) or "head.head.weight" in state
 
 
-def _dequantize_fp8(state: dict) -> dict:
-    """ComfyUI's ``*_fp8_scaled`` files: float8 weights with a ``.scale_weight`` per tensor."""
-    out = {}
+def _split_fp8_scales(state: dict) -> tuple[dict, dict]:
+    """ComfyUI's ``*_fp8_scaled`` files: float8 weights with a ``.scale_weight`` each.
+
+    Returns the weights (still float8: dequantizing a 14B file up front would need ~56 GB of float32)
+    and ``{weight_key: scale}``; :func:`build_model` dequantizes one tensor at a time.
+    """
+    weights, scales = {}, {}
     for key, tensor in state.items():
         if key == "scaled_fp8" or key.endswith((".scale_weight", ".scale_input")):
             continue
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale = state.get(key.rsplit(".", 1)[0] + ".scale_weight")
-            tensor = tensor.float() * (scale.float() if scale is not None else 1.0)
-        out[key] = tensor
-    return out
+            scales[key] = scale if scale is not None else torch.ones(())
+        weights[key] = tensor
+    return weights, scales
 
 
 def _infer_config(state: dict, path: Path, num_heads: int | None) -> dict:
@@ -223,11 +230,12 @@ def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) ->
 
     stored_dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
     state, prefix = _strip_prefix(state)
-    state = _dequantize_fp8(state)
+    state, fp8_scales = _split_fp8_scales(state)
     if _is_original(state):
         from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
         state = convert_wan_transformer_to_diffusers(state)
+        fp8_scales = convert_wan_transformer_to_diffusers(fp8_scales)  # same renames for the scales
         if prefix == "comfyui":
             fmt = "comfyui"
         elif prefix == "model.":
@@ -249,7 +257,7 @@ def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) ->
     info = CheckpointInfo(
         path=str(path), format=fmt, architecture=architecture_name(config), config=config,
         num_parameters=sum(v.numel() for v in state.values()), stored_dtype="/".join(stored_dtypes),
-        context_scheme=scheme, source_entry=entry, notes=notes,
+        context_scheme=scheme, source_entry=entry, notes=notes, fp8_scales=fp8_scales,
     )
     return state, info
 
@@ -276,7 +284,8 @@ class Fp8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
-        return (self.weight_fp8.to(dtype) * self.weight_scale.to(dtype))
+        # Scale in float32, then cast: a bf16 scale would shift the whole matrix by up to 0.2%.
+        return (self.weight_fp8.float() * self.weight_scale.float()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -312,15 +321,20 @@ def _check_keys(model: torch.nn.Module, state: dict, path: str) -> None:
             raise CheckpointError(f"{path}: key '{key}' has shape {tuple(state[key].shape)}, expected {want}")
 
 
-def build_model(config: dict, state: dict, *, dtype=torch.bfloat16, device="cpu", path: str = "<state dict>") -> CausalWanTransformer3DModel:
-    """Meta-device build + ``assign`` load: weights are converted once, straight onto ``device``."""
+def build_model(config: dict, state: dict, *, dtype=torch.bfloat16, device="cpu", path: str = "<state dict>",
+                fp8_scales: dict | None = None) -> CausalWanTransformer3DModel:
+    """Meta-device build + ``assign`` load: weights are converted once, one tensor at a time, onto ``device``."""
     with torch.device("meta"):
         model = CausalWanTransformer3DModel(**config)
     _check_keys(model, state, path)
+    fp8_scales = fp8_scales or {}
     converted = {}
     for key in list(state):
         target = torch.float32 if any(p in key for p in _FP32_PATTERNS) else dtype
-        converted[key] = state.pop(key).to(device=device, dtype=target)
+        tensor = state.pop(key)
+        if key in fp8_scales:
+            tensor = tensor.to(device=device, dtype=torch.float32) * fp8_scales[key].to(device=device, dtype=torch.float32)
+        converted[key] = tensor.to(device=device, dtype=target)
     model.load_state_dict(converted, strict=True, assign=True)
     # diffusers' own RoPE buffers are non-persistent, so still on the meta device; the causal forward
     # builds its tables from the config. Rebuild them anyway so diffusers' forward() works too.
@@ -352,7 +366,7 @@ def load_causal_wan(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     state, info = read_checkpoint(path, num_heads=num_heads)
-    model = build_model(info.config, state, dtype=dtype, device=device, path=str(path))
+    model = build_model(info.config, state, dtype=dtype, device=device, path=str(path), fp8_scales=info.fp8_scales)
     if fuse_qkv:
         model.fuse_qkv()
     if fp8:
