@@ -114,7 +114,6 @@ def component_table(drafter, target, vae, scorer, ctx, h, w, device, repeats):
                 rows.setdefault(f"{label}: {kind} ({gen.calls[kind]} call{'s' if gen.calls[kind] > 1 else ''})", []).append(secs)
             if isinstance(gen.context, GlobalCache):
                 gen.context.reset()
-                gen.kv_cache.reset()
                 gen.context.pending.append((0, first))
     block = torch.randn(1, 16, 3, h, w, device=device)
     vae.decode_block(torch.randn(1, 16, 1, h, w, device=device))

@@ -303,7 +303,6 @@ def check_train_forward(model, x_clean, x_noisy, t_noisy, caption, fpb=3):
     outs = []
     for b in range(Fn // fpb):
         sl = slice(b * fpb, (b + 1) * fpb)
-        cache.valid_frames = b * fpb
         outs.append(model.forward_block(x_noisy[:, :, sl], t_noisy[:, sl], text_kv, cache, b * fpb))
         model.forward_block(x_clean[:, :, sl], torch.zeros(1, fpb), text_kv, cache, b * fpb)
     return float((ours - torch.cat(outs, dim=2)).abs().max())

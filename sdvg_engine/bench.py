@@ -183,7 +183,8 @@ def barrier(world: int) -> None:
 def merge_shards(out_file: Path, world: int) -> list[dict]:
     """Fold rank shard files into ``out_file`` (deduplicated) and return all rows."""
     rows, seen = [], set()
-    for path in [out_file] + [shard_path(out_file, r) for r in range(world)] if world > 1 else [out_file]:
+    paths = [out_file] + ([shard_path(out_file, r) for r in range(world)] if world > 1 else [])
+    for path in paths:
         if path.is_file():
             for line in path.read_text().splitlines():
                 if line.strip():

@@ -94,7 +94,6 @@ class GlobalCache(ContextScheme):
             raise RuntimeError(
                 f"{gen.name}: block {block_index} needs {block_index * fpb} committed frames, cache has {self.committed_frames}"
             )
-        gen.kv_cache.valid_frames = self.committed_frames
         return block_index * fpb, None
 
     def commit(self, gen, block_index, latents, pixels):
@@ -150,17 +149,14 @@ class RecomputeWindow(ContextScheme):
 
     def prepare(self, gen, block_index):
         if self.committed_frames == 0:
-            gen.kv_cache.valid_frames = 0
             return 0, None
         if self.dirty:
             context = self.context_latents()
-            gen.kv_cache.reset()
             # Block-causal over the context, in chunks of a block, from position 0.
             fpb = gen.frames_per_block
             for first in range(0, context.shape[2], fpb):
                 gen.run_model("recompute", context[:, :, first : first + fpb], 0.0, first)
             self.context_len = context.shape[2]
-            gen.kv_cache.valid_frames = self.context_len
             self.dirty = False
         bias = None
         if self.attention_bias is not None and self.attention_bias < 1.0 and self.context_len > 1:

@@ -81,7 +81,6 @@ class CausalGenerator:
         if not geometry_ok:
             self.kv_cache = None  # free the old allocation before making the new one
             self.kv_cache = self.model.new_kv_cache(batch, latent_height, latent_width, capacity)
-        self.kv_cache.reset()
         text_key = (self.model.device, self.model.compute_dtype)
         if (self._text_source is None or self._text_key != text_key or self._text_source.shape != prompt_embeds.shape
                 or not torch.equal(self._text_source, prompt_embeds.to(self._text_source.device))):

@@ -115,6 +115,11 @@ def video_frames_to_latent_frames(num_frames: int, frames_per_block: int = 3) ->
     return latent
 
 
+def unit_frames(pixels: torch.Tensor) -> torch.Tensor:
+    """Decoded pixels ``[1, 3, T, H, W]`` in [-1, 1] -> frames ``[T, 3, H, W]`` in 0..1 (what the reward takes)."""
+    return ((pixels[0].transpose(0, 1).float() + 1.0) / 2.0).clamp(0, 1)
+
+
 class SpeculativePipeline:
     """Drafter + target + streaming VAE (+ router): generates videos block by block.
 
@@ -236,8 +241,7 @@ class SpeculativePipeline:
             return None
         if mode == "random":
             return run.random_router.decide_block(b)
-        frames = ((pixels[0].transpose(0, 1).float() + 1.0) / 2.0).clamp(0, 1)  # [T, 3, H, W] in 0..1
-        return self._timed(run, "reward", lambda: self._score(run, frames))
+        return self._timed(run, "reward", lambda: self._score(run, unit_frames(pixels)))
 
     def _score(self, run, frames: torch.Tensor) -> RouteDecision:
         router, opts = self.router, run.options
@@ -262,11 +266,11 @@ class SpeculativePipeline:
             run.previous_features = run.pending_features
         elif run.prompt_features is not None and self.router.temporal_weight != 0.0:
             # The next draft's seam term needs this block's last frame (scored only in sdvg mode).
-            last = ((pixels[0, :, -1:].transpose(0, 1).float() + 1.0) / 2.0).clamp(0, 1)
+            last = unit_frames(pixels[:, :, -1:])
             run.previous_features = self._timed(
                 run, "reward", lambda: self.router.scorer.score_frames(last, run.prompt_features, crop=self.router.crop).image_features[-1])
         run.pending_features = None
-        frames = ((pixels[0].permute(1, 2, 3, 0).float() + 1.0) / 2.0).clamp(0, 1).cpu()
+        frames = unit_frames(pixels).permute(0, 2, 3, 1).cpu()  # [T, H, W, 3]
         f0 = run.video_frames
         run.video_frames += frames.shape[0]
         run.latents.append(latents.float().cpu())

@@ -20,7 +20,6 @@ class ComponentTimer:
 
     def __init__(self):
         self.seconds: Counter = Counter()
-        self.calls: Counter = Counter()
 
     @contextmanager
     def measure(self, component: str, device: torch.device | None = None):
@@ -34,7 +33,6 @@ class ComponentTimer:
             if sync:
                 torch.cuda.synchronize(device)
             self.seconds[component] += time.perf_counter() - began
-            self.calls[component] += 1
 
 
 @dataclass

@@ -4,7 +4,8 @@ One tensor pair holds every layer's keys and values, laid out ``[layers, B, head
 so that ``cache[:end]`` is a view SDPA can consume without copying. Slots are addressed in latent
 *frames*; a frame is ``tokens_per_frame`` tokens (1560 at 832x480). Writing the same frames again
 overwrites them in place: that is how the noisy denoising steps and the clean commit pass of one
-block share slots, and why a rejected draft needs no cache rollback.
+block share slots, and why a rejected draft needs no cache rollback. Which frames are valid is the
+context scheme's knowledge (a block reads only up to its own end), so the cache keeps no such state.
 """
 
 from __future__ import annotations
@@ -44,15 +45,12 @@ class KVCache:
 
     Attributes:
         keys, values: ``[num_layers, B, heads, capacity_frames * tokens_per_frame, head_dim]``.
-        valid_frames: how many leading frames hold committed (clean) K/V; maintained by the context
-            scheme, used for reports and sanity checks.
     """
 
     def __init__(self, geometry: CacheGeometry):
         self.geometry = geometry
         self.keys = torch.zeros(geometry.shape, dtype=geometry.dtype, device=geometry.device)
         self.values = torch.zeros(geometry.shape, dtype=geometry.dtype, device=geometry.device)
-        self.valid_frames = 0
 
     @property
     def capacity_frames(self) -> int:
@@ -65,10 +63,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
-
-    def reset(self) -> None:
-        """Forget all frames. The memory is kept (and not zeroed: nothing reads past ``end``)."""
-        self.valid_frames = 0
 
     def check_fits(self, start_frame: int, num_frames: int) -> None:
         if start_frame < 0 or start_frame + num_frames > self.capacity_frames:
