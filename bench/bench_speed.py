@@ -1,7 +1,8 @@
 """Speed switches of the causal DiT, each measured before/after on the same model in one run.
 
 * fused QKV: one matmul for q/k/v (and k/v in cross-attention) instead of three (two);
-* attention backend: PyTorch SDPA as dispatched vs forced math kernel (on CUDA: flash/efficient vs math).
+* attention backend: PyTorch SDPA as dispatched vs forced math kernel (on CUDA: flash/efficient vs math);
+* ``--compile``: ``torch.compile`` of the block forward (dynamic shapes), compilation excluded (printed apart).
 
     python bench/bench_speed.py [--layers 4 --heads 4 --latent 16x24 --threads 2 --device cpu]
 """
@@ -47,6 +48,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true", help="also measure torch.compile (compiles for a minute or more)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     h, w = map(int, args.latent.split("x"))
@@ -70,6 +72,15 @@ def main():
     with sdpa_kernel([SDPBackend.MATH]):
         t_math = timed(lambda: video(gens["unfused"], context, h, w, args.blocks), args.repeats)
     rows.append(("SDPA dispatch vs forced math kernel", t_math, t_unfused))
+    if args.compile:
+        compiled = copy.deepcopy(base)
+        compiled.compile_forward_block()
+        gen = CausalGenerator(compiled, context=GlobalCache(21))
+        t0 = time.perf_counter()
+        video(gen, context, h, w, args.blocks)  # compiles every block position once
+        compile_s = time.perf_counter() - t0
+        rows.append((f"torch.compile (dynamic; compiling took {compile_s:.0f} s)", t_unfused,
+                     timed(lambda: video(gen, context, h, w, args.blocks), args.repeats)))
 
     params = sum(p.numel() for p in base.parameters()) / 1e6
     print(f"{args.layers} layers, width {128 * args.heads} ({params:.1f}M params), latent {h}x{w}, {args.blocks} blocks, "

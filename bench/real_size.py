@@ -3,7 +3,7 @@
 Random weights time exactly like real ones. Prints markdown tables:
 
 1. per-block time of each component (drafter steps, drafter commit, target steps, target recompute,
-   VAE decode of a 3-latent-frame block, ImageReward on its 12 frames), from CUDA-synchronised timers;
+   VAE decode of a 3-latent-frame block, ImageReward on its 12 frames), timed with CUDA events;
 2. whole videos through the real loop: target-only, draft-only and SDVG with forced acceptance
    patterns (0%, 73.1%, 87.5%, 100% of drafted blocks), wall time, ratio vs target-only, peak memory;
 3. the same for an fp8-stored target (``--fp8``).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +27,7 @@ from sdvg_engine.generator import CausalGenerator
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
 from sdvg_engine.models.loading import quantize_blocks_fp8
 from sdvg_engine.pipeline import SDVGOptions, SpeculativePipeline
+from sdvg_engine.report import ComponentTimer
 from sdvg_engine.reward import ImageRewardConfig, ImageRewardModel, ImageRewardScorer, build_tiny_image_reward
 from sdvg_engine.reward.tokenizer import BlipTokenizer
 from sdvg_engine.router import RewardRouter
@@ -85,13 +85,11 @@ def build_stack(args, device):
 
 @contextmanager
 def timed(device, sink: list):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    sink.append(time.perf_counter() - t0)
+    """Append the body's duration to ``sink``: CUDA events on the device's stream (perf_counter on CPU)."""
+    timer = ComponentTimer()
+    with timer.measure("call", device):
+        yield
+    sink.append(timer.seconds["call"])
 
 
 def component_table(drafter, target, vae, scorer, ctx, h, w, device, repeats):
@@ -108,7 +106,7 @@ def component_table(drafter, target, vae, scorer, ctx, h, w, device, repeats):
             gen.commit_block(0, first, pixels)
             if isinstance(gen.context, RecomputeWindow):
                 gen.context.dirty = True
-            gen.calls.clear(), gen.seconds.clear()
+            gen.calls.clear(), gen.timer.clear()
             gen.generate_block(1, noise)
             for kind, secs in gen.seconds.items():
                 rows.setdefault(f"{label}: {kind} ({gen.calls[kind]} call{'s' if gen.calls[kind] > 1 else ''})", []).append(secs)

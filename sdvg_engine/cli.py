@@ -121,10 +121,11 @@ def build_pipeline(args):
     aux = args.aux_device or args.device
     vae = load_wan_vae(args.vae, device=aux, dtype=parse_dtype(args.vae_dtype))
     drafter = load_generator(args.drafter, name="drafter", dtype=args.dtype, device=args.drafter_device or args.device,
-                             context_scheme=args.drafter_context, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv)
+                             context_scheme=args.drafter_context, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv,
+                             compile=args.compile)
     target = load_generator(args.target, name="target", dtype=args.dtype, device=args.device, fp8=args.fp8_target,
                             context_scheme=args.target_context, schedule=args.target_schedule, max_frames=args.max_frames,
-                            attention_bias=args.attention_bias, fuse_qkv=args.fuse_qkv)
+                            attention_bias=args.attention_bias, fuse_qkv=args.fuse_qkv, compile=args.compile)
     router = None
     if args.reward:
         from .reward import load_image_reward
@@ -266,6 +267,8 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
     p.add_argument("--vae-dtype", default="fp32")
     p.add_argument("--fp8-target", action="store_true", help="store the target's block weights in float8")
     p.add_argument("--fuse-qkv", action="store_true", help="fuse attention projections (faster; inference only)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile both models' block forward (first blocks pay the compilation; see bench/bench_speed.py)")
     p.add_argument("--drafter-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
     p.add_argument("--target-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
     p.add_argument("--target-schedule", default="auto", choices=("auto", "self_forcing", "krea"))

@@ -7,7 +7,6 @@ hook before each call (progress, cancel).
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +16,7 @@ import torch
 from .context import ContextScheme, GlobalCache
 from .models.causal_wan import CausalWanTransformer3DModel, TextKV
 from .models.kv_cache import KVCache
+from .report import ComponentTimer
 from .sampling import NoiseSource, Schedule, flow_to_x0, get_schedule, renoise
 
 
@@ -61,9 +61,14 @@ class CausalGenerator:
         self._text_source: torch.Tensor | None = None
         self._text_key: tuple | None = None
         self.calls: Counter = Counter()
-        self.seconds: Counter = Counter()
+        self.timer = ComponentTimer()  # seconds per call kind
         self.before_call: Callable[[str, str], None] | None = None
         self._latent_shape: tuple[int, int, int] | None = None
+
+    @property
+    def seconds(self) -> Counter:
+        """Seconds per call kind since :meth:`start` (``denoise``, ``commit``, ``recompute``, ...)."""
+        return self.timer.seconds
 
     # ---- lifetime of a run --------------------------------------------------------------------------
     def start(self, prompt_embeds: torch.Tensor, *, latent_height: int, latent_width: int, num_blocks: int) -> None:
@@ -88,7 +93,7 @@ class CausalGenerator:
             self._text_source, self._text_key = prompt_embeds.detach().clone(), text_key
         self.context.reset()
         self.calls.clear()
-        self.seconds.clear()
+        self.timer.clear()
         self._latent_shape = (self.model.config.in_channels, latent_height, latent_width)
 
     def block_shape(self, batch: int | None = None) -> tuple[int, int, int, int, int]:
@@ -103,15 +108,9 @@ class CausalGenerator:
         if self.before_call is not None:
             self.before_call(self.name, kind)
         device = self.model.device
-        synchronize = device.type == "cuda"
-        if synchronize:
-            torch.cuda.synchronize(device)
-        began = time.perf_counter()
-        timesteps = torch.full((latents.shape[0], latents.shape[2]), float(timestep), device=device)
-        flow = self.model.forward_block(latents.to(device), timesteps, self.text_kv, self.kv_cache, start_frame, cache_bias=cache_bias)
-        if synchronize:
-            torch.cuda.synchronize(device)
-        self.seconds[kind] += time.perf_counter() - began
+        with self.timer.measure(kind, device):
+            timesteps = torch.full((latents.shape[0], latents.shape[2]), float(timestep), device=device)
+            flow = self.model.forward_block(latents.to(device), timesteps, self.text_kv, self.kv_cache, start_frame, cache_bias=cache_bias)
         self.calls[kind] += 1
         return flow
 
@@ -123,12 +122,17 @@ class CausalGenerator:
         timesteps, sigmas = self.schedule.timesteps, self.schedule.sigmas
         if not 0 <= first_step < len(timesteps):
             raise ValueError(f"{self.name}: first_step {first_step} outside the {len(timesteps)}-step schedule")
+        if start_latents is None and first_step != 0:
+            raise ValueError("start_latents are required when starting after step 0")
+        draws = [noise.step(block_index, k, shape) for k in range(first_step, len(timesteps) - 1)]
         if start_latents is None:
-            if first_step != 0:
-                raise ValueError("start_latents are required when starting after step 0")
-            x = noise.initial(block_index, shape).to(self.model.device)
-        else:
-            x = start_latents.to(self.model.device, torch.float32)
+            draws.insert(0, noise.initial(block_index, shape))
+        for draw in draws:
+            if tuple(draw.shape) != tuple(shape):
+                raise ValueError(f"{self.name}: noise for block {block_index} has shape {tuple(draw.shape)}, "
+                                 f"expected {tuple(shape)} (check the noise source's tensors)")
+        draws = self._upload(draws)
+        x = draws.pop(0) if start_latents is None else start_latents.to(self.model.device, torch.float32)
         states = []
         x0 = x
         for k in range(first_step, len(timesteps)):
@@ -136,8 +140,19 @@ class CausalGenerator:
             flow = self.run_model("denoise", x, timesteps[k], start_frame, cache_bias)
             x0 = flow_to_x0(x, flow, sigmas[k])
             if k + 1 < len(timesteps):
-                x = renoise(x0, noise.step(block_index, k, shape).to(x0.device), sigmas[k + 1])
+                x = renoise(x0, draws.pop(0), sigmas[k + 1])
         return BlockSample(latents=x0, states=states, first_step=first_step)
+
+    def _upload(self, draws: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Move a block's CPU noise draws to the model's device in one copy. On CUDA the copy is pinned and
+        non-blocking: a plain copy per step would wait for every model call queued before it."""
+        device = self.model.device
+        if not draws or device.type == "cpu":
+            return list(draws)
+        host = torch.stack(draws)
+        if device.type == "cuda":
+            return list(host.pin_memory().to(device, non_blocking=True).unbind(0))
+        return list(host.to(device).unbind(0))
 
     def commit_block(self, block_index: int, latents: torch.Tensor, pixels: torch.Tensor | None = None) -> None:
         """Make the final ``latents`` of ``block_index`` (and its decoded ``pixels`` ``[B,3,T,H,W]``) context."""

@@ -26,16 +26,17 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloat16", device="cpu",
                    context_scheme: str = "auto", schedule: str = "auto", fp8: bool = False,
                    num_heads: int | None = None, max_frames: int = 21, attention_bias: float | None = None,
-                   anchor_encoder=None, fuse_qkv: bool = False) -> CausalGenerator:
+                   anchor_encoder=None, fuse_qkv: bool = False, compile: bool = False) -> CausalGenerator:
     """Load a causal Wan checkpoint and wrap it as a :class:`CausalGenerator`.
 
     ``context_scheme="auto"`` takes the scheme the checkpoint was trained with (14B Krea: recompute
     window; Self-Forcing 1.3B: global cache); ``schedule="auto"`` takes the schedule the weights were
     distilled for (``krea``'s 5 calls for the 14B, ``self_forcing``'s 4 otherwise). ``fuse_qkv``
-    fuses the attention projections (inference only; see ``bench/bench_speed.py`` for its effect).
+    fuses the attention projections and ``compile`` wraps the block forward in ``torch.compile``
+    (inference only; see ``bench/bench_speed.py`` for their effect).
     """
     model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device=device, num_heads=num_heads,
-                                  fp8=fp8, fuse_qkv=fuse_qkv)
+                                  fp8=fp8, fuse_qkv=fuse_qkv, compile=compile)
     scheme_name = info.context_scheme if context_scheme == "auto" else context_scheme
     if scheme_name not in CONTEXT_SCHEMES:
         raise ValueError(f"context_scheme must be 'auto' or one of {CONTEXT_SCHEMES}, got {context_scheme!r}")

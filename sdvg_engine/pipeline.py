@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from .generator import BlockSample, CausalGenerator
-from .report import BlockRecord, ComponentTimer, build_report
+from .report import BlockRecord, ComponentTimer, Lap, build_report
 from .router import RandomRouter, RewardRouter, RouteDecision
 from .sampling import NoiseSource, SeededNoise
 
@@ -177,10 +177,10 @@ class SpeculativePipeline:
             else:
                 draft = self._timed(run, "drafter", lambda: self.drafter.generate_block(b, run.noise))
                 vae_before = self.vae.snapshot()
-                pixels, decode_seconds = self._decode(run, draft.latents)
+                pixels, decode = self._decode(run, draft.latents)
                 decision = self._route(run, b, pixels)
                 if decision is None or decision.accept:
-                    record = self._commit(run, b, draft.latents, pixels, decode_seconds, source="draft", drafted=True,
+                    record = self._commit(run, b, draft.latents, pixels, decode, source="draft", drafted=True,
                                           decision=decision)
                 else:
                     self.vae.restore(vae_before)
@@ -225,14 +225,15 @@ class SpeculativePipeline:
             sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise, first_step=first, start_latents=state))
         else:
             sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise))
-        pixels, decode_seconds = self._decode(run, sample.latents)
-        return self._commit(run, b, sample.latents, pixels, decode_seconds, source="target", drafted=drafted, decision=decision)
+        pixels, decode = self._decode(run, sample.latents)
+        return self._commit(run, b, sample.latents, pixels, decode, source="target", drafted=drafted, decision=decision)
 
-    def _decode(self, run, latents) -> tuple[torch.Tensor, float]:
-        """Decode a block; also return its decode time (an all-target run would pay it for every kept block)."""
-        began = time.perf_counter()
-        pixels = self._timed(run, "vae", lambda: self.vae.decode_block(latents))
-        return pixels, time.perf_counter() - began
+    def _decode(self, run, latents) -> tuple[torch.Tensor, Lap]:
+        """Decode a block; also return its decode :class:`Lap` (an all-target run would pay it for every kept block)."""
+        run.check_cancel("vae", "call")
+        with run.timer.measure("vae", self.vae.device) as lap:
+            pixels = self.vae.decode_block(latents)
+        return pixels, lap
 
     def _route(self, run, b, pixels) -> RouteDecision | None:
         """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
@@ -259,7 +260,7 @@ class SpeculativePipeline:
         remaining = router.scorer.score_frames(frames[rest], run.prompt_features, crop=router.crop).scores
         return router.decide(torch.cat([partial, remaining]))
 
-    def _commit(self, run, b, latents, pixels, decode_seconds, *, source, drafted, decision) -> BlockRecord:
+    def _commit(self, run, b, latents, pixels, decode, *, source, drafted, decision) -> BlockRecord:
         for gen in run.active:
             gen.commit_block(b, latents, pixels)
         if run.pending_features is not None and source == "draft":
@@ -277,7 +278,7 @@ class SpeculativePipeline:
         run.mask.append(torch.full((frames.shape[0],), 1.0 if source == "draft" else 0.0))
         run.frames.append(frames)
         fpb = self.target.frames_per_block
-        return BlockRecord(index=b, source=source, drafted=drafted, decision=decision, decode_seconds=decode_seconds,
+        return BlockRecord(index=b, source=source, drafted=drafted, decision=decision, decode=decode,
                            latent_frames=(b * fpb, (b + 1) * fpb), video_frames=(f0, run.video_frames), frames=frames)
 
     def _timed(self, run, component: str, fn):
@@ -313,7 +314,7 @@ class SpeculativePipeline:
         for gen in (self.drafter, self.target):
             gen.before_call = run.check_cancel
             gen.calls.clear()  # a model this mode does not use must not report a previous run's calls
-            gen.seconds.clear()
+            gen.timer.clear()
         h, w = height // 8, width // 8
         for gen in run.active:
             gen.start(prompt_embeds, latent_height=h, latent_width=w, num_blocks=num_blocks)

@@ -15,24 +15,77 @@ from .router import RouteDecision
 COMPONENTS = ("drafter", "target", "vae", "reward")
 
 
+class Lap:
+    """The duration of one measured call; on CUDA it is read back from its events only when asked for."""
+
+    __slots__ = ("_seconds", "_events")
+
+    def __init__(self, seconds: float = 0.0, events: tuple | None = None):
+        self._seconds, self._events = seconds, events
+
+    @property
+    def seconds(self) -> float:
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            self._seconds, self._events = start.elapsed_time(end) / 1000.0, None
+        return self._seconds
+
+
 class ComponentTimer:
-    """Wall time per component. Synchronizes CUDA around each measured call so the time is the call's own."""
+    """Seconds per label (component or call kind).
+
+    CPU: ``perf_counter`` around each call. CUDA: a pair of timing events on the device's current stream
+    around each call, read back only when :attr:`seconds` is read (at the end of a block), so timing adds no
+    host synchronisation between the calls of a block on one GPU: the GPU keeps its queue full, as in an
+    untimed run. Only when consecutive calls run on different devices does it wait for the previous one.
+    """
 
     def __init__(self):
-        self.seconds: Counter = Counter()
+        self._laps: list[tuple[str, Lap]] = []
+        self._seconds: Counter = Counter()
+        self._last_device: torch.device | None = None
 
     @contextmanager
-    def measure(self, component: str, device: torch.device | None = None):
-        sync = device is not None and device.type == "cuda"
-        if sync:
-            torch.cuda.synchronize(device)
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            if sync:
-                torch.cuda.synchronize(device)
-            self.seconds[component] += time.perf_counter() - began
+    def measure(self, label: str, device: torch.device | None = None):
+        """Time the body as one call of ``label``; yields its :class:`Lap`."""
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        last, self._last_device = self._last_device, device
+        if last is not None and last.type == "cuda" and last != device:
+            # Handing over to another device: without this wait, work still queued on the previous GPU
+            # (e.g. the drafter's, when the VAE sits on cuda:1 or on the CPU) would be timed as this call's.
+            torch.cuda.synchronize(last)
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            lap = Lap(events=(start, end))
+            try:
+                yield lap
+            finally:
+                end.record(stream)
+                self._laps.append((label, lap))
+        else:
+            lap = Lap()
+            began = time.perf_counter()
+            try:
+                yield lap
+            finally:
+                lap._seconds = time.perf_counter() - began
+                self._laps.append((label, lap))
+
+    @property
+    def seconds(self) -> Counter:
+        """Total seconds per label so far (waits for pending CUDA events)."""
+        for label, lap in self._laps:
+            self._seconds[label] += lap.seconds
+        self._laps.clear()
+        return Counter(self._seconds)
+
+    def clear(self) -> None:
+        self._laps.clear()
+        self._seconds.clear()
+        self._last_device = None
 
 
 @dataclass
@@ -48,7 +101,7 @@ class BlockRecord:
         video_frames: ``(first, end)`` pixel frame range of the block in the video.
         frames: the block's decoded frames ``[T, H, W, 3]`` float 0..1 on CPU (for previews).
         seconds: time spent on this block per component.
-        decode_seconds: the VAE decode of the kept block (what an all-target run would also pay).
+        decode: the :class:`Lap` of the kept block's VAE decode (what an all-target run would also pay).
     """
 
     index: int
@@ -59,7 +112,11 @@ class BlockRecord:
     video_frames: tuple[int, int]
     frames: torch.Tensor | None = None
     seconds: dict = field(default_factory=dict)
-    decode_seconds: float = 0.0
+    decode: Lap = field(default_factory=Lap)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.decode.seconds
 
     def to_dict(self) -> dict:
         d = {

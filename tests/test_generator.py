@@ -173,3 +173,28 @@ def test_auto_schedule_follows_the_weights_not_the_scheme(tmp_path):
     gen = load_generator(path, dtype="fp32", context_scheme="recompute_window")
     assert gen.context.name == "recompute_window" and gen.schedule.name == "self_forcing"
     assert load_generator(path, dtype="fp32", schedule="krea").schedule.name == "krea"
+
+
+def test_noise_of_the_wrong_shape_is_named(model):
+    gen = CausalGenerator(model, schedule="self_forcing", context=GlobalCache(max_frames=21))
+    gen.start(text_context(), latent_height=H, latent_width=W, num_blocks=1)
+    noise = TensorNoise(torch.randn(1, 16, 3, H, W), 3, steps={(0, 1): torch.randn(1, 16, 3, H, 1)})
+    with pytest.raises(ValueError, match=r"noise for block 0 has shape \(1, 16, 3, 4, 1\), expected \(1, 16, 3, 4, 6\)"):
+        gen.generate_block(0, noise)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_generation_matches_cpu_including_hybrid_start(model):
+    """The pinned, non-blocking noise upload must hand every step the same draw as on the CPU."""
+    import copy
+
+    results = []
+    for device in ("cpu", "cuda"):
+        gen = CausalGenerator(copy.deepcopy(model).to(device), schedule="self_forcing", context=GlobalCache(max_frames=21))
+        gen.start(text_context().to(device), latent_height=H, latent_width=W, num_blocks=2)
+        first = gen.generate_block(0, SeededNoise(3))
+        gen.commit_block(0, first.latents)
+        hybrid = gen.generate_block(1, SeededNoise(3), first_step=2, start_latents=first.states[2])
+        results.append((first.latents.cpu(), hybrid.latents.cpu()))
+    for cpu, gpu in zip(*results):
+        assert (cpu - gpu).abs().max().item() < 1e-3

@@ -242,3 +242,32 @@ def test_reused_pipeline_reports_only_this_runs_calls():
     run(pipe)
     assert run(pipe, mode="target_only").report["model_calls"]["drafter"] == {}
     assert run(pipe, mode="draft_only").report["model_calls"]["target"] == {}
+
+
+def test_component_timer_sums_laps_per_label_and_clears():
+    from sdvg_engine.report import ComponentTimer
+
+    timer = ComponentTimer()
+    laps = []
+    for label in ("vae", "vae", "reward"):
+        with timer.measure(label, torch.device("cpu")) as lap:
+            sum(range(20000))
+        laps.append(lap)
+    seconds = timer.seconds
+    assert set(seconds) == {"vae", "reward"} and all(lap.seconds > 0 for lap in laps)
+    assert seconds["vae"] == pytest.approx(laps[0].seconds + laps[1].seconds)
+    assert timer.seconds == seconds  # reading resolves laps once; a second read adds nothing
+    timer.clear()
+    assert timer.seconds == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_component_timer_uses_events_on_cuda():
+    from sdvg_engine.report import ComponentTimer
+
+    timer = ComponentTimer()
+    x = torch.randn(1024, 1024, device="cuda")
+    with timer.measure("matmul", x.device) as lap:
+        x @ x
+    assert lap._events is not None  # nothing waited for the GPU yet
+    assert timer.seconds["matmul"] > 0 and lap._events is None

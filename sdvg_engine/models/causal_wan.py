@@ -200,6 +200,18 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         modulation = _linear_fp32(emb.time_proj, F.silu(temb))
         return temb, modulation.unflatten(-1, (6, -1))
 
+    # ---- optional torch.compile ---------------------------------------------------------------------
+    def compile_forward_block(self, **compile_kwargs) -> None:
+        """Replace :meth:`forward_block` on this instance by a ``torch.compile``'d version.
+
+        ``dynamic=True`` by default: the attended KV prefix grows by one block per call, so static
+        shapes would recompile for every block position. The first calls pay the compilation
+        (about a minute on a CPU); the weights and the state dict are untouched. The compiled function
+        is bound to this instance: compile a deep copy again rather than copying a compiled model.
+        """
+        compile_kwargs.setdefault("dynamic", True)
+        self.forward_block = torch.compile(type(self).forward_block.__get__(self), **compile_kwargs)
+
     # ---- inference-only fusion ------------------------------------------------------------------------
     @torch.no_grad()
     def fuse_qkv(self) -> int:

@@ -352,6 +352,7 @@ def load_causal_wan(
     num_heads: int | None = None,
     fp8: bool = False,
     fuse_qkv: bool = False,
+    compile: bool = False,
 ) -> tuple[CausalWanTransformer3DModel, CheckpointInfo]:
     """Load a causal Wan2.1 transformer from any supported file. See the module docstring for formats.
 
@@ -360,6 +361,7 @@ def load_causal_wan(
             embedding stay in float32, as in diffusers.
         fp8: store the block Linear weights in float8 (e4m3) and upcast per matmul.
         fuse_qkv: fuse the attention projections into one matmul each (inference only).
+        compile: ``torch.compile`` the block forward (:meth:`CausalWanTransformer3DModel.compile_forward_block`).
     Returns:
         ``(model, info)``; ``info.context_scheme`` is the scheme the checkpoint was trained with.
     """
@@ -372,6 +374,8 @@ def load_causal_wan(
     if fp8:
         n = quantize_blocks_fp8(model)
         info.notes.append(f"{n} block Linear layers stored in float8_e4m3fn")
+    if compile:
+        model.compile_forward_block()
     return model, info
 
 

@@ -32,7 +32,7 @@ from .models import load_toy_models
 from .text import embed_caption
 from .world import SIZE, Scene, all_scenes, clip_metrics
 
-NUM_FRAMES = 45  # 4 blocks of 3 latent frames
+NUM_FRAMES = 81  # 21 latent frames = 7 blocks of 3, like the real models
 DEFAULT_TAUS = (-0.5, 0.5, 1.0, 1.5)
 SHOWCASE_PROMPTS = (
     "a red ball moving right on black",
@@ -63,14 +63,14 @@ def build_pipeline(models, tau: float = 0.0) -> SpeculativePipeline:
     return SpeculativePipeline(drafter, target, models.vae, router)
 
 
-def _run(pipe, caption, seed, options):
-    result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=NUM_FRAMES, width=SIZE, height=SIZE,
+def _run(pipe, caption, seed, options, num_frames=NUM_FRAMES):
+    result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=num_frames, width=SIZE, height=SIZE,
                            seed=seed, options=options)
     metrics = clip_metrics(result.frames.numpy(), caption)
     return result, metrics
 
 
-def sweep(models, prompts, seeds, taus, *, log=print):
+def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print):
     """Run every configuration on every (prompt, seed); returns (configs, per-run results kept for output)."""
     pipe = build_pipeline(models)
     items = [(p, s) for p in prompts for s in seeds]
@@ -90,15 +90,15 @@ def sweep(models, prompts, seeds, taus, *, log=print):
         kept[(name, item)] = result
 
     # Warm-up (first calls allocate caches and are slow).
-    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="target_only"))
-    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="draft_only"))
+    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="target_only"), num_frames)
+    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="draft_only"), num_frames)
     for item in items:
         for mode in ("target_only", "draft_only", "first_block_only"):
-            result, metrics = _run(pipe, *item, SDVGOptions(mode=mode))
+            result, metrics = _run(pipe, *item, SDVGOptions(mode=mode), num_frames)
             record(mode, mode, None, None, item, result, metrics)
         for tau in taus:
             pipe.router.tau = float(tau)
-            result, metrics = _run(pipe, *item, SDVGOptions(mode="sdvg"))
+            result, metrics = _run(pipe, *item, SDVGOptions(mode="sdvg"), num_frames)
             record(f"sdvg tau={tau:g}", "sdvg", float(tau), None, item, result, metrics)
         log(f"  {item[0]!r} seed {item[1]}: done")
     # Random routing at the acceptance rate each tau reached (matched acceptance).
@@ -109,20 +109,20 @@ def sweep(models, prompts, seeds, taus, *, log=print):
         if name in configs:
             continue
         for item in items:
-            result, metrics = _run(pipe, *item, SDVGOptions(mode="random", random_accept_prob=p))
+            result, metrics = _run(pipe, *item, SDVGOptions(mode="random", random_accept_prob=p), num_frames)
             record(name, "random", None, p, item, result, metrics)
     summarize(configs)
     return configs, kept
 
 
-def vae_ceiling(models, prompts, seed: int = 0) -> dict:
+def vae_ceiling(models, prompts, seed: int = 0, num_frames: int = NUM_FRAMES) -> dict:
     """Ground-truth quality of rendered clips and of their VAE round trip (the ceiling for any generator)."""
     from .world import render
 
     vae = models.vae
     rendered, roundtrip = [], []
     for caption in prompts:
-        clip = render(Scene.parse(caption), NUM_FRAMES, seed)
+        clip = render(Scene.parse(caption), num_frames, seed)
         x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].mul(2).sub(1)
         with torch.no_grad():
             z = vae.normalize(vae.vae.encode(x).latent_dist.mean)
@@ -191,9 +191,11 @@ def write_video(frames: torch.Tensor, path: Path, *, scale: int = 4, fps: int = 
     images[0].save(webp, format="WEBP", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0, lossless=True)
     written = [str(webp)]
     try:
-        import av  # optional
-
-        mp4 = path.with_suffix(".mp4")
+        import av  # optional: without PyAV the demo writes WebP only (said once in the summary line)
+    except ImportError:
+        return written
+    mp4 = path.with_suffix(".mp4")
+    try:
         with av.open(str(mp4), mode="w") as container:
             stream = container.add_stream("libx264", rate=fps)
             stream.width, stream.height, stream.pix_fmt = arr.shape[2], arr.shape[1], "yuv420p"
@@ -203,8 +205,9 @@ def write_video(frames: torch.Tensor, path: Path, *, scale: int = 4, fps: int = 
             for packet in stream.encode():
                 container.mux(packet)
         written.append(str(mp4))
-    except Exception:  # noqa: BLE001 - PyAV missing or without an H.264 encoder: WebP only
-        pass
+    except (av.error.FFmpegError, ValueError) as exc:  # PyAV built without an H.264 encoder
+        print(f"  (no MP4 for {path.name}: {exc}; the WebP is written)")
+        mp4.unlink(missing_ok=True)
     return written
 
 
@@ -291,6 +294,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--taus", type=float, nargs="+", default=list(DEFAULT_TAUS), help="SDVG thresholds to sweep")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice, at most 2)")
     ap.add_argument("--no-videos", action="store_true", help="skip the WebP/MP4 files")
+    ap.add_argument("--frames", type=int, default=NUM_FRAMES, help="frames per video, 12n - 3 (default 81 = 7 blocks)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))
     out = Path(args.out)
@@ -299,8 +303,8 @@ def main(argv=None) -> dict:
     models = load_toy_models()
     prompts = prompts_for(args.prompts)
     seeds = list(range(args.seeds))
-    print(f"SDVG toy demo: {len(prompts)} prompts x {len(seeds)} seeds, taus {args.taus}, {NUM_FRAMES} frames of {SIZE}x{SIZE}")
-    configs, kept = sweep(models, prompts, seeds, args.taus)
+    print(f"SDVG toy demo: {len(prompts)} prompts x {len(seeds)} seeds, taus {args.taus}, {args.frames} frames of {SIZE}x{SIZE}")
+    configs, kept = sweep(models, prompts, seeds, args.taus, num_frames=args.frames)
     showcase_tau = sorted(args.taus)[len(args.taus) // 2]
     show = f"sdvg tau={showcase_tau:g}"
     files = {"videos": [], "acceptance_mask": str(out / "acceptance_mask.png"), "report": str(out / "report.json"),
@@ -316,8 +320,8 @@ def main(argv=None) -> dict:
     write_mask_strip(rows, out / "acceptance_mask.png")
     write_pareto(configs, out / "pareto.png")
     summary = findings(configs)
-    summary["ceiling"] = vae_ceiling(models, prompts)
-    report = {"num_frames": NUM_FRAMES, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
+    summary["ceiling"] = vae_ceiling(models, prompts, num_frames=args.frames)
+    report = {"num_frames": args.frames, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
               "showcase_tau": showcase_tau, "threads": torch.get_num_threads(), "configs": list(configs.values()),
               "findings": summary, "files": files, "seconds": time.perf_counter() - began}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
@@ -332,8 +336,10 @@ def main(argv=None) -> dict:
           f"tau={b['tau']:g} quality {b['quality']:.3f} ({100 * (b['quality_ratio'] or 0):.1f}% of target) at {b['speedup']:.2f}x, acceptance {b['acceptance']:.2f}"))
     for m in f["router_vs_random_at_matched_acceptance"]:
         print(f"  tau={m['tau']:g}: acceptance {m['acceptance']:.2f}: reward router {m['sdvg_quality']:.3f} vs random {m['random_quality']:.3f}")
-    print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/, acceptance_mask.png, pareto.png, report.json "
-          f"({report['seconds']:.0f}s)")
+    kinds = sorted({Path(v).suffix for v in files["videos"]})
+    note = "" if ".mp4" in kinds or not kinds else " (WebP only: install PyAV for MP4)"
+    print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/{note}, acceptance_mask.png, pareto.png, "
+          f"report.json ({report['seconds']:.0f}s)")
     return report
 
 

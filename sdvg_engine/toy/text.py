@@ -1,8 +1,15 @@
-"""Fixed text embeddings for the toy vocabulary, shaped like UMT5-XXL output: ``[1, 512, 4096]``, zero padded.
+"""Fixed text embeddings for the toy vocabulary, shaped like UMT5-XXL output but 256 wide: ``[1, 512, 256]``.
 
-Row ``i`` of a caption's context is ``word_vector(word_i) + 0.5 * position_vector(i)``; every vector is
-N(0, 1) drawn from a generator keyed by the word (or position) itself, so the table never changes
-when the vocabulary grows and nothing needs to be shipped.
+(256, not UMT5's 4096, because every DiT's text projection is ``text_dim x dim`` weights: at 4096 they would be a
+third of the shipped megabytes while carrying 22 words.)
+
+Row ``i`` of a caption's context is ``word_vector(w) + 0.5 * position_vector(j)`` for the caption's word
+``w = words[j]``, ``j = i mod n``: the caption is repeated over all 512 rows instead of being zero padded.
+The engine attends every row, as the reference models do; with 505 zero rows a tiny DiT trained for minutes
+put only 3-5% of its cross-attention on the words and ignored the colour (measured on the first trained
+target: swapping "red" for "green" moved its output by 8% of its scale, swapping motion and background by 170%).
+Every vector is N(0, 1) drawn from a generator keyed by the word (or position) itself, so the table never
+changes when the vocabulary grows and nothing needs to be shipped.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import torch
 
 from .world import VOCAB
 
-TEXT_DIM = 4096
+TEXT_DIM = 256
 TEXT_LEN = 512
 
 
@@ -30,9 +37,15 @@ def word_vector(word: str) -> np.ndarray:
 
 
 def embed_caption(caption: str) -> torch.Tensor:
-    """Caption -> context ``[1, 512, 4096]`` float32 (rows after the last word are zero)."""
+    """Caption -> context ``[1, 512, 256]`` float32 (the caption's rows repeated to fill all 512)."""
+    rows = caption_rows(caption)
+    n = rows.shape[0]
+    return torch.from_numpy(np.tile(rows, (TEXT_LEN // n + 1, 1))[:TEXT_LEN][None].copy())
+
+
+def caption_rows(caption: str) -> np.ndarray:
+    """The caption's distinct rows ``[n, 256]`` (row ``i`` of the context is ``rows[i % n]``)."""
     words = caption.strip().lower().split()
-    ctx = np.zeros((1, TEXT_LEN, TEXT_DIM), dtype=np.float32)
-    for i, w in enumerate(words):
-        ctx[0, i] = word_vector(w) + 0.5 * _vector(f"pos:{i}")
-    return torch.from_numpy(ctx)
+    if not words:
+        raise ValueError("empty caption")
+    return np.stack([word_vector(w) + 0.5 * _vector(f"pos:{i}") for i, w in enumerate(words)]).astype(np.float32)
