@@ -63,18 +63,13 @@ def vae_batch(rng, scenes, batch, frames):
 
 
 def vae_round_trip_quality(vae, n: int = 12) -> tuple[float, float]:
-    """Mean ground-truth quality of ``n`` rendered clips and of their encode -> decode round trip."""
-    from sdvg_engine.toy.world import clip_metrics
+    """Mean ground-truth quality of ``n`` rendered clips and of their round trip through ``vae`` (as the demo measures it)."""
+    from sdvg_engine.toy.demo import vae_ceiling
+    from sdvg_engine.vae import StreamingWanVAE
 
-    clean, rec = [], []
-    with torch.no_grad():
-        for i, s in enumerate(all_scenes()[:: len(all_scenes()) // n][:n]):
-            clip = render(s, NUM_FRAMES, 9000 + i)
-            out = vae.decode(vae.encode(to_video_tensor(clip[None])).latent_dist.mean).sample
-            frames = ((out[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
-            clean.append(clip_metrics(clip, s)["quality"])
-            rec.append(clip_metrics(frames, s)["quality"])
-    return float(np.mean(clean)), float(np.mean(rec))
+    scenes = all_scenes()[:: len(all_scenes()) // n][:n]
+    ceiling = vae_ceiling(StreamingWanVAE(vae), [s.caption for s in scenes], seed=9000, num_frames=NUM_FRAMES)
+    return ceiling["rendered_quality"], ceiling["vae_roundtrip_quality"]
 
 
 def train_vae(args):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
@@ -230,8 +231,7 @@ class SpeculativePipeline:
 
     def _decode(self, run, latents) -> tuple[torch.Tensor, Lap]:
         """Decode a block; also return its decode :class:`Lap` (an all-target run would pay it for every kept block)."""
-        run.check_cancel("vae", "call")
-        with run.timer.measure("vae", self.vae.device) as lap:
+        with self._measure(run, "vae") as lap:
             pixels = self.vae.decode_block(latents)
         return pixels, lap
 
@@ -283,11 +283,17 @@ class SpeculativePipeline:
 
     def _timed(self, run, component: str, fn):
         """Run ``fn`` as one call of ``component`` (a cancel point), timed on that component's device."""
+        with self._measure(run, component):
+            return fn()
+
+    @contextmanager
+    def _measure(self, run, component: str):
+        """A cancel point, then the body timed as one call of ``component`` on its device; yields the :class:`Lap`."""
         run.check_cancel(component, "call")
         devices = {"drafter": lambda: self.drafter.model.device, "target": lambda: self.target.model.device,
                    "vae": lambda: self.vae.device, "reward": lambda: self.router.scorer.device}
-        with run.timer.measure(component, devices[component]()):
-            return fn()
+        with run.timer.measure(component, devices[component]()) as lap:
+            yield lap
 
     # ---- setup and results --------------------------------------------------------------------------
     def _begin(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call):

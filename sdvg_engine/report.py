@@ -55,24 +55,22 @@ class ComponentTimer:
             # Handing over to another device: without this wait, work still queued on the previous GPU
             # (e.g. the drafter's, when the VAE sits on cuda:1 or on the CPU) would be timed as this call's.
             torch.cuda.synchronize(last)
-        if device.type == "cuda":
+        on_gpu = device.type == "cuda"
+        if on_gpu:
             stream = torch.cuda.current_stream(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             lap = Lap(events=(start, end))
-            try:
-                yield lap
-            finally:
-                end.record(stream)
-                self._laps.append((label, lap))
         else:
-            lap = Lap()
-            began = time.perf_counter()
-            try:
-                yield lap
-            finally:
+            lap, began = Lap(), time.perf_counter()
+        try:
+            yield lap
+        finally:
+            if on_gpu:
+                end.record(stream)
+            else:
                 lap._seconds = time.perf_counter() - began
-                self._laps.append((label, lap))
+            self._laps.append((label, lap))
 
     @property
     def seconds(self) -> Counter:

@@ -28,7 +28,7 @@ from ..context import GlobalCache
 from ..generator import CausalGenerator
 from ..pipeline import SDVGOptions, SpeculativePipeline
 from ..router import RewardRouter
-from .models import load_toy_models
+from .models import load_toy_models, vae_round_trip
 from .text import embed_caption
 from .world import SIZE, Scene, all_scenes, clip_metrics
 
@@ -115,23 +115,15 @@ def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print):
     return configs, kept
 
 
-def vae_ceiling(models, prompts, seed: int = 0, num_frames: int = NUM_FRAMES) -> dict:
+def vae_ceiling(vae, prompts, seed: int = 0, num_frames: int = NUM_FRAMES) -> dict:
     """Ground-truth quality of rendered clips and of their VAE round trip (the ceiling for any generator)."""
     from .world import render
 
-    vae = models.vae
     rendered, roundtrip = [], []
     for caption in prompts:
         clip = render(Scene.parse(caption), num_frames, seed)
-        x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].mul(2).sub(1)
-        with torch.no_grad():
-            z = vae.normalize(vae.vae.encode(x).latent_dist.mean)
-        vae.reset()
-        frames = torch.cat([vae.decode_block(z[:, :, b : b + 3]) for b in range(0, z.shape[2], 3)], dim=2)
-        frames = ((frames[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
         rendered.append(clip_metrics(clip, caption)["quality"])
-        roundtrip.append(clip_metrics(frames, caption)["quality"])
-    vae.reset()
+        roundtrip.append(clip_metrics(vae_round_trip(vae, clip), caption)["quality"])
     return {"rendered_quality": float(np.mean(rendered)), "vae_roundtrip_quality": float(np.mean(roundtrip))}
 
 
@@ -320,7 +312,7 @@ def main(argv=None) -> dict:
     write_mask_strip(rows, out / "acceptance_mask.png")
     write_pareto(configs, out / "pareto.png")
     summary = findings(configs)
-    summary["ceiling"] = vae_ceiling(models, prompts, num_frames=args.frames)
+    summary["ceiling"] = vae_ceiling(models.vae, prompts, num_frames=args.frames)
     report = {"num_frames": args.frames, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
               "showcase_tau": showcase_tau, "threads": torch.get_num_threads(), "configs": list(configs.values()),
               "findings": summary, "files": files, "seconds": time.perf_counter() - began}

@@ -116,6 +116,18 @@ def load_reward(path: Path = WEIGHTS / FILES["reward"]):
     return load_image_reward(path, **REWARD_HEADS)
 
 
+def vae_round_trip(vae, clip) -> "np.ndarray":
+    """A clip ``[T, H, W, 3]`` (0..1) encoded and decoded block by block as the pipeline decodes: the frames
+    any generator's output is limited to. ``vae`` is a :class:`~sdvg_engine.vae.StreamingWanVAE` (reset after)."""
+    x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].mul(2).sub(1)
+    with torch.no_grad():
+        z = vae.normalize(vae.vae.encode(x).latent_dist.mean)
+    vae.reset()
+    frames = torch.cat([vae.decode_block(z[:, :, b : b + 3]) for b in range(0, z.shape[2], 3)], dim=2)
+    vae.reset()
+    return ((frames[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
+
+
 @dataclass
 class ToyModels:
     vae: object  # StreamingWanVAE
