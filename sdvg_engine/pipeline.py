@@ -328,7 +328,7 @@ class SpeculativePipeline:
         if opts.mode == "sdvg":
             run.prompt_features = self.router.scorer.encode_prompt(prompt)
         if opts.mode == "random":
-            run.random_router = RandomRouter(opts.random_accept_prob, seed)
+            run.random_router = RandomRouter(opts.random_accept_prob, seed, key=prompt)
         self._run = run
         return run
 

@@ -169,6 +169,11 @@ def test_random_mode_protects_block_zero_and_is_seeded():
     assert [r.source for r in a.blocks] == [r.source for r in b.blocks]
     assert torch.equal(a.frames, b.frames)
     assert a.report["seconds"]["reward"] == 0.0  # random routing pays for no scoring
+    # Decisions are keyed by (seed, prompt): independent streams for the prompts of one benchmark.
+    from sdvg_engine.router import RandomRouter
+
+    expected = [RandomRouter(0.5, 3, key=PROMPT).decide_block(r.index).accept for r in a.blocks[1:]]
+    assert [r.source == "draft" for r in a.blocks[1:]] == expected
 
 
 def test_recompute_window_target_with_anchor_reencode():

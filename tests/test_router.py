@@ -134,6 +134,10 @@ def test_random_router_deterministic_and_order_independent():
     assert forward == [RandomRouter(0.4, seed=123).decide_block(i).accept for i in range(200)]
     other = [RandomRouter(0.4, seed=124).decide_block(i).accept for i in range(200)]
     assert other != forward
+    # The key (the pipeline passes the prompt) gives each prompt its own stream under one seed.
+    keyed = [RandomRouter(0.4, seed=123, key="a red ball").decide_block(i).accept for i in range(200)]
+    assert keyed != forward and keyed != [RandomRouter(0.4, seed=123, key="a blue ball").decide_block(i).accept for i in range(200)]
+    assert keyed == [RandomRouter(0.4, seed=123, key="a red ball").decide_block(i).accept for i in range(200)]
     d = a.decide_block(7)
     assert isinstance(d, RouteDecision) and 0.0 <= d.block_score < 1.0
     assert d.accept == (d.block_score < 0.4)

@@ -1,0 +1,74 @@
+"""The toy training script's DiT objectives: the batched teacher-forcing forward equals the engine's cached
+block-by-block forward, and the self-estimated context is what the sampler would commit."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sdvg_engine.sampling import SELF_FORCING_SCHEDULE
+from sdvg_engine.toy import models as toy_models
+from sdvg_engine.toy.world import all_scenes
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_toy.py"
+
+
+@pytest.fixture(scope="module")
+def train_toy():
+    spec = importlib.util.spec_from_file_location("train_toy", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    torch.manual_seed(0)
+    return toy_models.build_dit("drafter").float().eval()
+
+
+def _clip(seed, frames=9):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 16, frames, 4, 4, generator=g)
+
+
+def test_train_forward_matches_cached_forward_block(train_toy, drafter):
+    x_clean, x_noisy = _clip(0), _clip(1)
+    t_noisy = torch.tensor([[1000.0] * 3 + [625.0] * 3 + [937.5] * 3])
+    err = train_toy.check_train_forward(drafter, x_clean, x_noisy, t_noisy, all_scenes()[5].caption)
+    assert err < 1e-4
+
+
+def test_self_context_is_the_models_last_step_estimate(train_toy, drafter):
+    scenes = all_scenes()
+    rows, counts = train_toy.caption_rows(scenes[3].caption)
+    rows, counts = rows[None], counts[None]
+    x0 = _clip(2)
+    sigma_last = torch.tensor(SELF_FORCING_SCHEDULE.sigmas[-1])
+    # prob 0: the clean latents, untouched.
+    assert torch.equal(train_toy.self_context(drafter, x0, rows, counts, sigma_last, np.random.default_rng(0), 0.0), x0)
+    # prob 1: every block is x0 noised to the last sigma and denoised in one call, given clean earlier blocks.
+    got = train_toy.self_context(drafter, x0, rows, counts, sigma_last, np.random.default_rng(0), 1.0)
+    noise = torch.from_numpy(np.random.default_rng(0).standard_normal(x0.shape).astype(np.float32))
+    x_last = (1 - sigma_last) * x0 + sigma_last * noise
+    with torch.no_grad():
+        flow = train_toy.train_forward(drafter, x0, x_last, torch.full((1, 9), float(sigma_last) * 1000), rows, counts)
+    assert torch.allclose(got, x_last - sigma_last * flow)
+    assert not torch.allclose(got, x0, atol=1e-2)
+
+
+def test_dit_losses_are_finite_and_first_block_only_needs_a_batch(train_toy, drafter):
+    latents = torch.cat([_clip(s, 21) for s in range(3)])
+    scene_index = torch.tensor([0, 7, 50])
+    scenes = all_scenes()
+    rows = torch.stack([train_toy.caption_rows(s.caption)[0] for s in scenes])
+    counts = torch.stack([train_toy.caption_rows(s.caption)[1] for s in scenes])
+    sigmas = torch.tensor(SELF_FORCING_SCHEDULE.sigmas)
+    rng = np.random.default_rng(0)
+    clip = train_toy.clip_loss(drafter, latents, scene_index, rows, counts, sigmas, rng, 2, 0.5)
+    first = train_toy.first_block_loss(drafter, latents, scene_index, rows, counts, sigmas, rng, 4)
+    assert torch.isfinite(clip) and torch.isfinite(first) and clip > 0 and first > 0
+    with pytest.raises(SystemExit, match="--first-block-batch"):
+        train_toy.main(["target", "--first-block-only"])
