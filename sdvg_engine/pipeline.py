@@ -199,7 +199,7 @@ class SpeculativePipeline:
 
         Args:
             prompt_embeds: UMT5-XXL context ``[1, L, 4096]`` (zero padded; padded to 512 if shorter).
-            prompt: the prompt text, for the reward model.
+            prompt: the prompt text, for the reward model (and the key of ``random`` mode's decisions).
             num_frames: video frames, ``12n - 3`` (81 = 7 blocks of 3 latent frames).
             width, height: pixels, multiples of 16.
             seed: noise seed; block ``b`` uses noise keyed by ``(seed, b, step)``.

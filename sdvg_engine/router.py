@@ -13,7 +13,8 @@ The features come for free with the reward forward (VBench-style subject consist
 BLIP features instead of DINO). Note that similarity alone favours static video.
 
 ``RandomRouter`` is the ablation baseline: accepts each block with probability ``p``,
-deterministically per ``(seed, block_index)`` whatever the call order.
+deterministically per ``(seed, key, block_index)`` whatever the call order (the pipeline's key is
+the prompt text).
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ class RandomRouter:
     not depend on how many other blocks were decided before it, nor on any global RNG. The pipeline
     passes the prompt as ``key``: a benchmark that runs many prompts with the same seed then gets
     independent decisions per prompt (keyed by the seed alone, every prompt accepted the same blocks,
-    and 24 blocks at p = 0.29 could all be rejected).
+    and 24 blocks at p = 0.29 could all be rejected). An empty key (e.g. the ComfyUI node with an empty
+    reward prompt) keys by the seed alone, as before.
     """
 
     def __init__(self, p: float, seed: int, key: str = ""):

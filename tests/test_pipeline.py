@@ -163,8 +163,8 @@ def test_cascade_rejections_are_exact(draft_scores):
 
 
 def test_random_mode_protects_block_zero_and_is_seeded():
-    a = run(tiny_pipeline(), mode="random", random_accept_prob=0.5, seed=3)
-    b = run(tiny_pipeline(), mode="random", random_accept_prob=0.5, seed=3)
+    a = run(tiny_pipeline(), mode="random", random_accept_prob=0.5, seed=0)
+    b = run(tiny_pipeline(), mode="random", random_accept_prob=0.5, seed=0)
     assert a.blocks[0].source == "target" and not a.blocks[0].drafted
     assert [r.source for r in a.blocks] == [r.source for r in b.blocks]
     assert torch.equal(a.frames, b.frames)
@@ -172,8 +172,8 @@ def test_random_mode_protects_block_zero_and_is_seeded():
     # Decisions are keyed by (seed, prompt): independent streams for the prompts of one benchmark.
     from sdvg_engine.router import RandomRouter
 
-    expected = [RandomRouter(0.5, 3, key=PROMPT).decide_block(r.index).accept for r in a.blocks[1:]]
-    assert [r.source == "draft" for r in a.blocks[1:]] == expected
+    expected = [RandomRouter(0.5, 0, key=PROMPT).decide_block(r.index).accept for r in a.blocks[1:]]
+    assert [r.source == "draft" for r in a.blocks[1:]] == expected == [True, False, True]  # seed alone: all False
 
 
 def test_recompute_window_target_with_anchor_reencode():

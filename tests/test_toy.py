@@ -103,5 +103,5 @@ def test_shipped_models_show_the_target_drafter_gap():
                 assert np.mean(metrics["per_frame"][:9]) > 0.6  # block 0 from the text alone: colour, shape, place
     target, draft, first = (float(np.mean(quality[m])) for m in ("target_only", "draft_only", "first_block_only"))
     assert target > 0.4, quality
-    assert draft < 0.5 * target, quality
+    assert draft < 0.7 * target, quality
     assert first > draft + 0.1, quality
