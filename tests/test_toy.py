@@ -81,6 +81,9 @@ def test_short_demo_run(tmp_path):
     assert len(webps) == 6
     with Image.open(webps[0]) as im:
         assert im.size == (128, 128) and getattr(im, "n_frames", 1) == 45
+    for m in report["findings"]["router_vs_random_at_matched_acceptance"]:
+        assert m["matched"] == (abs(m["random_acceptance"] - m["acceptance"]) <= demo.MATCH_TOLERANCE)
+    assert report["findings"]["router_beats_random"] in (None, True, False)
     loaded = json.loads((tmp_path / "report.json").read_text())
     assert loaded["findings"]["target_quality"] == pytest.approx(report["findings"]["target_quality"])
 

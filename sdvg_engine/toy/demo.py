@@ -34,6 +34,7 @@ from .world import SIZE, Scene, all_scenes, clip_metrics
 
 NUM_FRAMES = 81  # 21 latent frames = 7 blocks of 3, like the real models
 DEFAULT_TAUS = (-2.0, -1.5, -1.0, 0.0)  # drafts score -2.1..0.8 with the shipped reward model
+MATCH_TOLERANCE = 0.05  # router and random count as "matched" when their realized acceptances differ by at most this
 SHOWCASE_PROMPTS = (
     "a red ball moving right on black",
     "a blue square moving down on white",
@@ -152,10 +153,12 @@ def findings(configs: dict) -> dict:
         p = c["acceptance"]
         r = configs.get(f"random p={p:.2f}")
         if r is not None:
-            # Random routing draws per block, so the acceptance it reaches scatters around p: reported too.
+            # Random routing draws per block, so the acceptance it reaches scatters around p: a pair counts as
+            # matched only when the two realized acceptances are within MATCH_TOLERANCE.
             matched.append({"tau": c["tau"], "acceptance": p, "sdvg_quality": c["quality"], "random_quality": r["quality"],
-                            "random_acceptance": r["acceptance"], "sdvg_speedup": c["speedup"], "random_speedup": r["speedup"]})
-    informative = [m for m in matched if 0.0 < m["acceptance"] < 1.0]
+                            "random_acceptance": r["acceptance"], "matched": abs(r["acceptance"] - p) <= MATCH_TOLERANCE,
+                            "sdvg_speedup": c["speedup"], "random_speedup": r["speedup"]})
+    informative = [m for m in matched if 0.0 < m["acceptance"] < 1.0 and m["matched"]]
     return {
         "target_quality": t["quality"], "drafter_quality": d["quality"],
         "target_vs_drafter_gain": t["quality"] / d["quality"] - 1 if d["quality"] > 0 else None,
@@ -331,7 +334,10 @@ def main(argv=None) -> dict:
           f"tau={b['tau']:g} quality {b['quality']:.3f} ({100 * (b['quality_ratio'] or 0):.1f}% of target) at {b['speedup']:.2f}x, acceptance {b['acceptance']:.2f}"))
     for m in f["router_vs_random_at_matched_acceptance"]:
         print(f"  tau={m['tau']:g}: reward router {m['sdvg_quality']:.3f} at acceptance {m['acceptance']:.2f} vs random "
-              f"{m['random_quality']:.3f} at {m['random_acceptance']:.2f} (p = {m['acceptance']:.2f})")
+              f"{m['random_quality']:.3f} at {m['random_acceptance']:.2f} (p = {m['acceptance']:.2f})"
+              + ("" if m["matched"] else ": not matched, left out of the verdict"))
+    verdict = {None: "undetermined (no matched pair with 0 < acceptance < 1)", True: "yes", False: "no"}
+    print(f"reward router beats random at matched acceptance: {verdict[f['router_beats_random']]}")
     kinds = sorted({Path(v).suffix for v in files["videos"]})
     note = "" if ".mp4" in kinds or not kinds else " (WebP only: install PyAV for MP4)"
     print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/{note}, acceptance_mask.png, pareto.png, "
