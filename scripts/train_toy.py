@@ -362,6 +362,19 @@ def check_train_forward(model, x_clean, x_noisy, t_noisy, caption, fpb=3):
     return float((ours - torch.cat(outs, dim=2)).abs().max())
 
 
+def training_sigmas(rng, sigmas, shape) -> torch.Tensor:
+    """Noise levels ``shape``: mostly the sampler's own sigmas, one in five uniform in [0.02, 1]."""
+    k = rng.integers(0, len(sigmas), size=shape)
+    uniform = torch.from_numpy(rng.random(shape) < 0.2)
+    return torch.where(uniform, torch.from_numpy(rng.uniform(0.02, 1.0, shape)).float(), sigmas[torch.from_numpy(k)])
+
+
+def noised(x0, sigma, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(noise, x_t)`` with ``x_t = (1 - sigma) x0 + sigma noise``; ``sigma`` broadcasts against ``x0``."""
+    noise = torch.from_numpy(rng.standard_normal(x0.shape).astype(np.float32))
+    return noise, (1 - sigma) * x0 + sigma * noise
+
+
 def self_context(model, x0, rows, counts, sigma_last, rng, prob, fpb=3, base=None):
     """Context blocks as the sampler will commit them: the model's own x0 estimate at the last sampling sigma.
 
@@ -372,8 +385,7 @@ def self_context(model, x0, rows, counts, sigma_last, rng, prob, fpb=3, base=Non
     (or, with ``base``, ``base``'s block).
     """
     B, _, Fn = x0.shape[:3]
-    noise = torch.from_numpy(rng.standard_normal(x0.shape).astype(np.float32))
-    x_last = (1 - sigma_last) * x0 + sigma_last * noise
+    _, x_last = noised(x0, sigma_last, rng)
     with torch.no_grad():
         flow = train_forward(model, x0, x_last, torch.full((B, Fn), float(sigma_last) * 1000), rows, counts, fpb)
     estimate = x_last - sigma_last * flow
@@ -391,16 +403,8 @@ def clip_loss(model, latents, scene_index, rows, counts, sigmas, rng, batch, sel
     """
     idx = torch.from_numpy(rng.integers(0, latents.shape[0], size=batch))
     x0 = latents[idx]
-    n_blocks = x0.shape[2] // fpb
-    # Per-block noise level: mostly the 4 sampling sigmas, sometimes uniform.
-    k = torch.from_numpy(rng.integers(0, 4, size=(batch, n_blocks)))
-    sig = sigmas[k]
-    uni = torch.from_numpy(rng.random((batch, n_blocks)) < 0.2)
-    sig = torch.where(uni, torch.from_numpy(rng.uniform(0.02, 1.0, (batch, n_blocks))).float(), sig)
-    sig_f = sig.repeat_interleave(fpb, 1)
-    noise = torch.from_numpy(rng.standard_normal(x0.shape).astype(np.float32))
-    s5 = sig_f[:, None, :, None, None]
-    xt = (1 - s5) * x0 + s5 * noise
+    sig_f = training_sigmas(rng, sigmas, (batch, x0.shape[2] // fpb)).repeat_interleave(fpb, 1)  # one level per block
+    noise, xt = noised(x0, sig_f[:, None, :, None, None], rng)
     si = scene_index[idx]
     context = x0
     if self_context_prob > 0:
@@ -421,11 +425,8 @@ def first_block_loss(model, latents, scene_index, rows, counts, sigmas, rng, bat
     """
     idx = torch.from_numpy(rng.integers(0, latents.shape[0], size=batch))
     x0 = latents[idx, :, :fpb]
-    k = torch.from_numpy(rng.integers(0, len(sigmas), size=batch))
-    sig = torch.where(torch.from_numpy(rng.random(batch) < 0.2), torch.from_numpy(rng.uniform(0.02, 1.0, batch)).float(), sigmas[k])
-    noise = torch.from_numpy(rng.standard_normal(x0.shape).astype(np.float32))
-    s5 = sig[:, None, None, None, None]
-    xt = (1 - s5) * x0 + s5 * noise
+    sig = training_sigmas(rng, sigmas, batch)
+    noise, xt = noised(x0, sig[:, None, None, None, None], rng)
     si = scene_index[idx]
     pred = train_forward(model, x0, xt, sig[:, None].expand(batch, fpb) * 1000, rows[si], counts[si], fpb)
     return F.mse_loss(pred, noise - x0)

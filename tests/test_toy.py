@@ -84,6 +84,8 @@ def test_short_demo_run(tmp_path):
     for m in report["findings"]["router_vs_random_at_matched_acceptance"]:
         assert m["matched"] == (abs(m["random_acceptance"] - m["acceptance"]) <= demo.MATCH_TOLERANCE)
     assert report["findings"]["router_beats_random"] in (None, True, False)
+    pairs = [m for m in report["findings"]["router_vs_random_at_matched_acceptance"] if m["matched"] and 0 < m["acceptance"] < 1]
+    assert report["findings"]["router_vs_random_pairs"] == len(pairs)
     loaded = json.loads((tmp_path / "report.json").read_text())
     assert loaded["findings"]["target_quality"] == pytest.approx(report["findings"]["target_quality"])
 

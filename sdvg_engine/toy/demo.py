@@ -159,6 +159,7 @@ def findings(configs: dict) -> dict:
                             "random_acceptance": r["acceptance"], "matched": abs(r["acceptance"] - p) <= MATCH_TOLERANCE,
                             "sdvg_speedup": c["speedup"], "random_speedup": r["speedup"]})
     informative = [m for m in matched if 0.0 < m["acceptance"] < 1.0 and m["matched"]]
+    margin = float(np.mean([m["sdvg_quality"] - m["random_quality"] for m in informative])) if informative else None
     return {
         "target_quality": t["quality"], "drafter_quality": d["quality"],
         "target_vs_drafter_gain": t["quality"] / d["quality"] - 1 if d["quality"] > 0 else None,
@@ -167,8 +168,8 @@ def findings(configs: dict) -> dict:
             "speedup": best["speedup"], "acceptance": best["acceptance"]},
         "meets_98pct_at_1.5x": bool(best is not None and best["speedup"] >= 1.5),
         "router_vs_random_at_matched_acceptance": matched,
-        "router_beats_random": (None if not informative else
-                                bool(np.mean([m["sdvg_quality"] - m["random_quality"] for m in informative]) > 0)),
+        "router_vs_random_margin": margin, "router_vs_random_pairs": len(informative),
+        "router_beats_random": None if margin is None else bool(margin > 0),
     }
 
 
@@ -336,11 +337,9 @@ def main(argv=None) -> dict:
         print(f"  tau={m['tau']:g}: reward router {m['sdvg_quality']:.3f} at acceptance {m['acceptance']:.2f} vs random "
               f"{m['random_quality']:.3f} at {m['random_acceptance']:.2f} (p = {m['acceptance']:.2f})"
               + ("" if m["matched"] else ": not matched, left out of the verdict"))
-    pairs = [m for m in f["router_vs_random_at_matched_acceptance"] if m["matched"] and 0.0 < m["acceptance"] < 1.0]
-    if pairs:  # with a few prompts this rests on few blocks: the margin and the pair count say how much
-        gain = float(np.mean([m["sdvg_quality"] - m["random_quality"] for m in pairs]))
-        print(f"reward router vs random at matched acceptance: {gain:+.3f} quality over {len(pairs)} matched "
-              f"pair(s): {'router better' if f['router_beats_random'] else 'router not better'}")
+    if f["router_vs_random_margin"] is not None:  # with few prompts it rests on few blocks: margin and pairs say how much
+        print(f"reward router vs random at matched acceptance: {f['router_vs_random_margin']:+.3f} quality over "
+              f"{f['router_vs_random_pairs']} matched pair(s): {'router better' if f['router_beats_random'] else 'router not better'}")
     else:
         print("reward router vs random at matched acceptance: no matched pair with 0 < acceptance < 1")
     kinds = sorted({Path(v).suffix for v in files["videos"]})
