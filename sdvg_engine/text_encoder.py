@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -36,7 +37,11 @@ UMT5_XXL_CONFIG = dict(
 
 # ---- embeddings files -------------------------------------------------------------------------------
 def save_prompt_embeddings(path: str | os.PathLike, prompts: list[str], contexts: list[torch.Tensor]) -> None:
-    """Write prompts and their contexts (each ``[1, L, 4096]``) to one safetensors file."""
+    """Write prompts and their contexts (each ``[1, L, 4096]``) to one safetensors file.
+
+    The file is written to a temporary name next to ``path`` and renamed over it at the end, so an
+    interrupted write never leaves a torn file (callers decide whether replacing ``path`` is allowed).
+    """
     from safetensors.torch import save_file
 
     if len(prompts) != len(contexts) or not prompts:
@@ -45,26 +50,55 @@ def save_prompt_embeddings(path: str | os.PathLike, prompts: list[str], contexts
     for i, ctx in enumerate(contexts):
         if ctx.ndim != 3 or ctx.shape[0] != 1:
             raise ValueError(f"context {i} must be [1, L, D], got {tuple(ctx.shape)}")
+        if not bool(torch.isfinite(ctx).all()):
+            raise ValueError(f"context {i} ({prompts[i][:60]!r}) holds NaN/inf values; the text encoder output is broken "
+                             "(try --dtype fp32)")
         tensors[f"context.{i}"] = ctx.detach().to("cpu").contiguous()
-    save_file(tensors, str(path), metadata={"format": EMBEDDINGS_FORMAT, "prompts": json.dumps(prompts)})
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": EMBEDDINGS_FORMAT, "prompts": json.dumps(prompts)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_prompt_embeddings(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
-    """Read a file written by :func:`save_prompt_embeddings`: ``[(prompt, context [1, L, 4096]), ...]``."""
-    from safetensors import SafetensorError, safe_open
+    """Read a file written by :func:`save_prompt_embeddings`: ``[(prompt, context [1, L, 4096]), ...]``.
+
+    Refuses (``CheckpointError``, a ``ValueError``, naming the file and tensor key) files that are not
+    embeddings files, hold no prompts, miss a ``context.<i>`` tensor, or hold non-float or NaN/inf values.
+    """
+    from .checkpoint_io import CheckpointError, check_finite, json_metadata, read_tensor_file
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt embeddings file not found: {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != EMBEDDINGS_FORMAT:
-                raise ValueError(f"{path}: not an SDVG prompt-embeddings file (write one with `sdvg encode-prompts`)")
-            prompts = json.loads(meta["prompts"])
-            return [(p, f.get_tensor(f"context.{i}")) for i, p in enumerate(prompts)]
-    except SafetensorError as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    if not path.is_file() and not path.exists():
+        raise FileNotFoundError(f"prompt embeddings file not found: {path} (write one with `sdvg encode-prompts`)")
+    tensors, meta, _ = read_tensor_file(path, what="prompt embeddings file", hint="write one with `sdvg encode-prompts`",
+                                        entries=())
+    if meta.get("format") != EMBEDDINGS_FORMAT:
+        raise CheckpointError(f"{path}: not an SDVG prompt-embeddings file (write one with `sdvg encode-prompts`)")
+    prompts = json_metadata(meta.get("prompts", ""), "prompts", path)
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise CheckpointError(f"{path}: metadata 'prompts' must be a JSON list of strings; rewrite it with `sdvg encode-prompts`")
+    if not prompts:
+        raise CheckpointError(f"{path}: holds zero prompts; rewrite it with `sdvg encode-prompts --prompt ...`")
+    pairs = []
+    for i, prompt in enumerate(prompts):
+        key = f"context.{i}"
+        ctx = tensors.get(key)
+        if ctx is None:
+            raise CheckpointError(f"{path}: tensor '{key}' for prompt {prompt[:60]!r} is missing; rewrite the file with "
+                                  "`sdvg encode-prompts`")
+        if not ctx.is_floating_point():
+            raise CheckpointError(f"{path}: tensor '{key}' is {str(ctx.dtype).replace('torch.', '')}, not floating point; "
+                                  "rewrite the file with `sdvg encode-prompts`")
+        if ctx.ndim != 3 or ctx.shape[0] != 1:
+            raise CheckpointError(f"{path}: tensor '{key}' has shape {tuple(ctx.shape)}, expected [1, L, D]; rewrite the "
+                                  "file with `sdvg encode-prompts`")
+        check_finite(ctx, key, path, fix="re-encode the prompts with `sdvg encode-prompts` (try --dtype fp32)")
+        pairs.append((prompt, ctx))
+    return pairs
 
 
 # ---- the encoder ----------------------------------------------------------------------------------------
@@ -115,19 +149,33 @@ def load_text_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike |
         return UMT5TextEncoder(model.to(device), _read_tokenizer(tokenizer or path))
     if tokenizer is None:
         raise ValueError(f"{path}: a single-file text encoder needs a tokenizer folder (--tokenizer)")
-    from safetensors.torch import load_file
+    from .checkpoint_io import CheckpointError, check_float_weights, check_tensors, read_tensor_file
 
-    state = {k: v for k, v in load_file(str(path)).items() if k != "scaled_fp8"}
+    state, _, _ = read_tensor_file(path, what="text encoder", hint="pass a transformers UMT5 folder or umt5_xxl_*.safetensors",
+                                   entries=())
+    check_tensors(state, path)
+    state = {k: v for k, v in state.items() if k != "scaled_fp8"}
+    check_float_weights(state, path)
     for key in [k for k in state if k.endswith(".scale_weight")]:  # ComfyUI *_fp8_scaled files
         weight_key = key[: -len(".scale_weight")] + ".weight"
+        if weight_key not in state:
+            raise CheckpointError(f"{path}: '{key}' has no weight '{weight_key}' to scale; the file is damaged")
         state[weight_key] = state[weight_key].float() * state.pop(key).float()
-    layers = {int(k.split(".")[2]) for k in state if k.startswith("encoder.block.")}
+    layers = {int(k.split(".")[2]) for k in state if re.match(r"encoder\.block\.\d+\.", k)}
     if not layers or "shared.weight" not in state:
-        raise ValueError(f"{path}: no 'shared.weight' / 'encoder.block.*' keys; this is not a UMT5/T5 encoder file")
+        raise CheckpointError(f"{path}: no 'shared.weight' / 'encoder.block.*' keys; this is not a UMT5/T5 encoder file")
+    needed = ["encoder.block.0.layer.0.SelfAttention.q.weight", "encoder.block.0.layer.1.DenseReluDense.wi_0.weight"]
+    absent = [k for k in needed if k not in state]
+    if absent or state["shared.weight"].ndim != 2:
+        raise CheckpointError(f"{path}: not a UMT5 encoder file: key {(absent or ['shared.weight'])[0]!r} is missing or "
+                              "malformed; pass umt5_xxl_fp16.safetensors / umt5_xxl_fp8_e4m3fn_scaled.safetensors")
     config = dict(UMT5_XXL_CONFIG, num_layers=max(layers) + 1)
     config.update(vocab_size=state["shared.weight"].shape[0], d_model=state["shared.weight"].shape[1])
     inner = state["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0]
     if inner != config["num_heads"] * config["d_kv"]:  # not XXL: UMT5 keeps 64-wide heads
+        if inner < 64 or inner % 64:
+            raise CheckpointError(f"{path}: attention width {inner} is not a multiple of UMT5's 64-wide heads; "
+                                  "this is not a UMT5 encoder file")
         config.update(d_kv=64, num_heads=inner // 64)
     config["d_ff"] = state["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0]
     with torch.device("meta"):
@@ -138,6 +186,11 @@ def load_text_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike |
         state["encoder.embed_tokens.weight"] = state["shared.weight"]
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"{path}: UMT5 encoder keys do not match; missing {missing[:10]}, unexpected {unexpected[:10]}")
+        raise CheckpointError(f"{path}: UMT5 encoder keys do not match; missing {missing[:10]}, unexpected {unexpected[:10]}")
+    want = model.state_dict()
+    wrong = [k for k in sorted(expected) if tuple(state[k].shape) != tuple(want[k].shape)]
+    if wrong:
+        raise CheckpointError(f"{path}: tensor '{wrong[0]}' has shape {tuple(state[wrong[0]].shape)}, expected "
+                              f"{tuple(want[wrong[0]].shape)} ({len(wrong)} mis-shaped); the file is damaged")
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
     return UMT5TextEncoder(model, _read_tokenizer(tokenizer))

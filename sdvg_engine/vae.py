@@ -349,37 +349,15 @@ def load_wan_vae(
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a safetensors file or a torch pickle into a flat `{name: tensor}` dict (on CPU)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError as e:
-        raise ValueError(f"Could not open Wan VAE checkpoint '{path}': {e}") from e
-    # safetensors: 8-byte little-endian header length, then a JSON header that starts with '{'. Sniffing the
-    # content as well as the suffix copes with renamed files.
-    is_safetensors = path.suffix.lower() in (".safetensors", ".sft") or head[8:9] == b"{"
-    try:
-        if is_safetensors:
-            from safetensors.torch import load_file
+    """Read a safetensors file or a torch pickle into a flat `{name: tensor}` dict (on CPU), through the shared
+    checkpoint reader (`sdvg_engine.checkpoint_io`): unreadable, truncated, empty or integer-weight files are
+    refused with a `CheckpointError` (a `ValueError`) naming the file."""
+    from .checkpoint_io import read_tensor_file
 
-            state_dict = load_file(str(path), device="cpu")
-        else:
-            state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # safetensors / pickle / zip errors have no common base class
-        kind = "safetensors" if is_safetensors else "torch pickle"
-        raise ValueError(
-            f"Could not read Wan VAE checkpoint '{path}' as {kind} ({type(e).__name__}: {e}). "
-            "The file may be truncated or corrupt."
-        ) from e
-
-    # Training checkpoints sometimes nest the weights one level down.
-    if isinstance(state_dict, Mapping) and not any(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        for nested in ("state_dict", "model", "module"):
-            if isinstance(state_dict.get(nested), Mapping):
-                state_dict = state_dict[nested]
-                break
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f"'{path}' does not contain a state dict (found {type(state_dict).__name__})")
+    state_dict, _, _ = read_tensor_file(
+        path, what="Wan VAE checkpoint", hint="pass Wan2.1_VAE.pth, wan_2.1_vae.safetensors or a diffusers VAE folder",
+        entries=("state_dict", "model", "module"),
+    )
     return {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
 
 
@@ -436,6 +414,9 @@ def wan_vae_from_state_dict(
     path = Path(source)
     state_dict = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
     state_dict, is_original = _select_vae_keys(state_dict, path)
+    from .checkpoint_io import check_float_weights
+
+    check_float_weights(state_dict, path)  # integer weights would load and decode garbage
     # diffusers name -> name in the file, to report unexpected keys under the names the user sees.
     file_names = {k: k for k in state_dict}
     if is_original:

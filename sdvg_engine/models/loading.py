@@ -31,10 +31,11 @@ import torch
 
 from diffusers import WanTransformer3DModel
 
+from ..checkpoint_io import (CheckpointError, check_float_weights, check_tensors, json_metadata, read_tensor_file,
+                             sniff_format)
 from .causal_wan import CausalWanTransformer3DModel, architecture_name
 
 CONTEXT_SCHEMES = ("global_cache", "recompute_window")
-_PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 #: Kept in float32 whatever the requested dtype (diffusers' ``_keep_in_fp32_modules`` for Wan).
 _FP32_PATTERNS = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 #: Metadata keys this project writes into safetensors files it produces (toy models, exports).
@@ -44,8 +45,6 @@ META_CONTEXT = "sdvg.context_scheme"
 _KNOWN_HEADS = {1536: 12, 5120: 40}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used, with the file name and the offending keys."""
 
 
 @dataclass
@@ -85,53 +84,28 @@ class CheckpointInfo:
 
 
 # ---- reading raw tensors ----------------------------------------------------------------------------
-def _read_safetensors(path: Path) -> tuple[dict, dict]:
-    from safetensors import safe_open
-    from safetensors import SafetensorError
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
-    return tensors, metadata
-
-
-def _read_pickle(path: Path) -> tuple[dict, str | None]:
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        # mmap needs the zip format; old-style pickles load without it.
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as e2:  # noqa: BLE001 - re-raised with the file name, never swallowed
-            raise CheckpointError(f"{path}: cannot read as a PyTorch checkpoint ({e2})") from e
-    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError/EOFError/...; all re-raised
-        raise CheckpointError(
-            f"{path}: cannot read as a PyTorch checkpoint with weights_only=True ({type(e).__name__}: {e}). "
-            "If it holds arbitrary Python objects, convert it to safetensors."
-        ) from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: expected a dict of tensors, found {type(obj).__name__}")
-    # Self-Forcing saves {generator, critic, generator_ema}; inference uses the EMA weights.
-    for entry in ("generator_ema", "generator", "state_dict", "model"):
-        if isinstance(obj.get(entry), dict):
-            return obj[entry], entry
-    return obj, None
+_DIT_HINT = "pass a causal Wan2.1 transformer (self_forcing_dmd.pt, krea-realtime-video-14b.safetensors, ...)"
 
 
 def _read_diffusers_folder(path: Path) -> tuple[dict, dict]:
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise CheckpointError(f"{path}: a model folder needs a config.json (diffusers layout)")
+        raise CheckpointError(f"{path}: a model folder needs a config.json (diffusers layout); {_DIT_HINT}")
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
-        raise CheckpointError(f"{path}: no .safetensors weights in the folder")
+        raise CheckpointError(f"{path}: no .safetensors weights in the folder; {_DIT_HINT}")
     tensors = {}
     for shard in shards:
-        tensors.update(_read_safetensors(shard)[0])
-    config = json.loads(config_file.read_text())
+        tensors.update(read_tensor_file(shard, what="transformer weights")[0])
+    try:
+        raw = config_file.read_text()
+    except OSError as e:
+        raise CheckpointError(f"{config_file}: cannot be read ({e.strerror or e})") from e
+    config = json_metadata(raw, "config.json", config_file)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
+    if config.get("_class_name", "WanTransformer3DModel") not in ("WanTransformer3DModel", "CausalWanTransformer3DModel"):
+        raise CheckpointError(f"{path}: config.json describes a {config['_class_name']}, not a Wan transformer; {_DIT_HINT}")
     return tensors, {META_CONFIG: json.dumps(config)}
 
 
@@ -168,19 +142,28 @@ def _split_fp8_scales(state: dict) -> tuple[dict, dict]:
 def _infer_config(state: dict, path: Path, num_heads: int | None) -> dict:
     def shape(key):
         if key not in state:
-            raise CheckpointError(f"{path}: key '{key}' is missing; this is not a Wan2.1 transformer checkpoint")
+            raise CheckpointError(f"{path}: key '{key}' is missing; this is not a Wan2.1 transformer checkpoint "
+                                  f"({_DIT_HINT})")
         return tuple(state[key].shape)
 
     if any(k.startswith("condition_embedder.image_embedder") for k in state):
         raise CheckpointError(f"{path}: image-to-video Wan checkpoints are not supported; use a text-to-video causal model")
+    if len(shape("patch_embedding.weight")) != 5:
+        raise CheckpointError(f"{path}: key 'patch_embedding.weight' has shape {shape('patch_embedding.weight')}, expected "
+                              f"5 dimensions [width, channels, pt, ph, pw]; this is not a Wan2.1 transformer ({_DIT_HINT})")
     dim, in_ch, *patch = shape("patch_embedding.weight")
-    layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k)))
+    blocks = [int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))]
+    if not blocks:
+        raise CheckpointError(f"{path}: no 'blocks.N.*' keys; this is not a Wan2.1 transformer checkpoint ({_DIT_HINT})")
+    layers = 1 + max(blocks)
     if num_heads is None:
         num_heads = _KNOWN_HEADS.get(dim) or (dim // 128 if dim % 128 == 0 else None)
         if num_heads is None:
-            raise CheckpointError(f"{path}: cannot infer the number of heads for width {dim}; pass num_heads")
+            raise CheckpointError(f"{path}: cannot infer the number of heads for width {dim}; pass num_heads "
+                                  "(sdvg inspect: --num-heads)")
     if dim % num_heads:
-        raise CheckpointError(f"{path}: width {dim} is not divisible by {num_heads} heads")
+        raise CheckpointError(f"{path}: width {dim} is not divisible by {num_heads} heads; choose a num_heads "
+                              f"(sdvg inspect: --num-heads) that divides {dim}")
     out_total = shape("proj_out.weight")[0]
     return dict(
         patch_size=tuple(patch), num_attention_heads=num_heads, attention_head_dim=dim // num_heads,
@@ -192,41 +175,62 @@ def _infer_config(state: dict, path: Path, num_heads: int | None) -> dict:
     )
 
 
-def _config_from_metadata(metadata: dict) -> dict | None:
+def _config_from_metadata(metadata: dict, path: Path) -> dict | None:
     if META_CONFIG not in metadata:
         return None
-    raw = json.loads(metadata[META_CONFIG])
+    raw = json_metadata(metadata[META_CONFIG], META_CONFIG, path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: metadata '{META_CONFIG}' must be a JSON object, found {type(raw).__name__}; "
+                              "re-export the file with save_checkpoint")
     # The signature, not __code__: diffusers' register_to_config wraps __init__ in (*args, **kwargs).
     allowed = set(inspect.signature(WanTransformer3DModel.__init__).parameters) - {"self"}
     config = {k: v for k, v in raw.items() if k in allowed}
-    if "patch_size" in config:
+    if "patch_size" in config and isinstance(config["patch_size"], (list, tuple)):
         config["patch_size"] = tuple(config["patch_size"])
     return config
 
 
+_POSITIVE_INTS = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim", "freq_dim",
+                  "ffn_dim", "num_layers")
+
+
+def _check_config(config: dict, path: Path, source: str) -> None:
+    """Refuse configs that cannot describe a Wan transformer (``source`` says where the config came from)."""
+    for key in _POSITIVE_INTS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            flag = " (sdvg inspect: --num-heads)" if key == "num_attention_heads" else ""
+            raise CheckpointError(f"{path}: {source} '{key}' must be a positive integer, got {value!r}{flag}")
+    patch = config.get("patch_size")
+    if patch is not None and (len(patch) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in patch)):
+        raise CheckpointError(f"{path}: {source} 'patch_size' must be 3 positive integers, got {patch!r}")
+
+
+def _is_allowed_non_float(key: str) -> bool:
+    return key == "scaled_fp8"
+
+
 def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) -> tuple[dict, CheckpointInfo]:
-    """Read any supported file into diffusers-keyed tensors (still on CPU, stored dtype) plus its description."""
+    """Read any supported file into diffusers-keyed tensors (still on CPU, stored dtype) plus its description.
+
+    Everything :func:`load_causal_wan` checks is checked here (readable file, float weights, config,
+    every key and shape of the architecture), so ``sdvg inspect`` fails exactly when a load would.
+    """
     path = Path(path)
+    if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
+        raise CheckpointError(f"{path}: num_heads (--num-heads) must be a positive integer, got {num_heads!r}")
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     entry = None
     if path.is_dir():
         state, metadata = _read_diffusers_folder(path)
         container = "folder"
-    elif path.suffix == ".safetensors":
-        state, metadata = _read_safetensors(path)
-        container = "safetensors"
-    elif path.suffix in _PICKLE_SUFFIXES:
-        state, entry = _read_pickle(path)
-        metadata = {}
-        container = "pickle"
     else:
-        raise CheckpointError(f"{path}: unknown file type '{path.suffix}'; expected .safetensors, .pt/.pth or a diffusers folder")
-    if not state:
-        raise CheckpointError(f"{path}: the file holds no tensors")
-    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise CheckpointError(f"{path}: entries that are not tensors: {bad[:5]}")
+        state, metadata, entry = read_tensor_file(path, what="checkpoint", hint=_DIT_HINT,
+                                                  entries=("generator_ema", "generator", "state_dict", "model"))
+        container = sniff_format(path)
+    check_tensors(state, path)
+    check_float_weights(state, path, allow=_is_allowed_non_float)
 
     stored_dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
     state, prefix = _strip_prefix(state)
@@ -245,12 +249,27 @@ def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) ->
     else:
         fmt = "diffusers" if container != "folder" else "diffusers_folder"
 
-    config = _config_from_metadata(metadata) or _infer_config(state, path, num_heads)
+    config = _config_from_metadata(metadata, path)
+    if config is not None:
+        _check_config(config, path, f"config metadata ('{META_CONFIG}' or config.json)")
+        if "patch_embedding.weight" not in state:
+            raise CheckpointError(f"{path}: key 'patch_embedding.weight' is missing; this is not a Wan2.1 transformer "
+                                  f"checkpoint ({_DIT_HINT})")
+    else:
+        config = _infer_config(state, path, num_heads)
     if num_heads is not None and config["num_attention_heads"] != num_heads:
         dim = config["num_attention_heads"] * config["attention_head_dim"]
+        if dim % num_heads:
+            raise CheckpointError(f"{path}: width {dim} is not divisible by {num_heads} heads; "
+                                  f"choose a --num-heads that divides {dim}")
         config.update(num_attention_heads=num_heads, attention_head_dim=dim // num_heads)
+    _check_config(config, path, "config")
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     scheme = metadata.get(META_CONTEXT) or ("recompute_window" if dim == 5120 else "global_cache")
+    if scheme not in CONTEXT_SCHEMES:
+        raise CheckpointError(f"{path}: metadata '{META_CONTEXT}' is {scheme!r}, expected one of {CONTEXT_SCHEMES}; "
+                              "re-export the file with save_checkpoint")
+    _check_keys(_meta_model(config, path), state, str(path))
     notes = []
     if dim == 5120:
         notes.append("14B: Krea Realtime defaults (KV recompute window, 5-call schedule)")
@@ -260,6 +279,16 @@ def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) ->
         context_scheme=scheme, source_entry=entry, notes=notes, fp8_scales=fp8_scales,
     )
     return state, info
+
+
+def _meta_model(config: dict, path) -> CausalWanTransformer3DModel:
+    """The architecture ``config`` describes, built on the meta device (no memory)."""
+    try:
+        with torch.device("meta"):
+            return CausalWanTransformer3DModel(**config)
+    except (TypeError, ValueError, RuntimeError, AssertionError) as e:
+        raise CheckpointError(f"{path}: its config cannot build a Wan2.1 transformer ({type(e).__name__}: {e}); "
+                              "re-export the file or give the original release") from e
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) -> CheckpointInfo:
@@ -324,8 +353,7 @@ def _check_keys(model: torch.nn.Module, state: dict, path: str) -> None:
 def build_model(config: dict, state: dict, *, dtype=torch.bfloat16, device="cpu", path: str = "<state dict>",
                 fp8_scales: dict | None = None) -> CausalWanTransformer3DModel:
     """Meta-device build + ``assign`` load: weights are converted once, one tensor at a time, onto ``device``."""
-    with torch.device("meta"):
-        model = CausalWanTransformer3DModel(**config)
+    model = _meta_model(config, path)
     _check_keys(model, state, path)
     fp8_scales = fp8_scales or {}
     converted = {}

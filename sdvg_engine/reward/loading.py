@@ -176,32 +176,25 @@ def validate_state_dict(
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Load a checkpoint from disk without executing pickled code.
+    """Load a checkpoint from disk without executing pickled code (the shared reader,
+    :func:`sdvg_engine.checkpoint_io.read_tensor_file`).
 
-    ``.safetensors`` via safetensors; anything else via ``torch.load(weights_only=True)``.
-    A ``{"state_dict": ...}`` or ``{"model": ...}`` single-entry wrapper is unwrapped.
+    A ``{"state_dict": ...}`` or ``{"model": ...}`` single-entry wrapper is unwrapped. Integer or
+    bool tensors other than ``position_ids`` are refused (``CheckpointError``, a ``ValueError``).
     """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"ImageReward checkpoint not found: {str(path)!r}. {_HUB_HINT}")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    from ..checkpoint_io import CheckpointError, check_float_weights, read_tensor_file
 
-        sd = load_file(str(p), device="cpu")
-    else:
-        try:
-            sd = torch.load(str(p), map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle with non-tensor objects, truncated file, ...
-            raise ValueError(
-                f"{p}: cannot be read as a plain state dict with torch.load(weights_only=True): "
-                f"{type(e).__name__}: {e}"
-            ) from e
-    if isinstance(sd, Mapping) and len(sd) == 1:
+    p = Path(path).expanduser()
+    if not p.is_file() and not p.is_dir():
+        raise FileNotFoundError(f"ImageReward checkpoint not found: {str(path)!r}. {_HUB_HINT}")
+    sd, _, _ = read_tensor_file(p, what="ImageReward checkpoint", hint=_HUB_HINT, entries=())
+    if len(sd) == 1:
         (only_key, inner), = sd.items()
         if only_key in ("state_dict", "model") and isinstance(inner, Mapping):
-            sd = inner
-    if not isinstance(sd, Mapping):
-        raise ValueError(f"{p}: expected a state dict (mapping), got {type(sd).__name__}")
+            sd = dict(inner)
+    if not sd:
+        raise CheckpointError(f"{p}: the file holds no tensors. {_HUB_HINT}")
+    check_float_weights(sd, p, allow=lambda k: k == POSITION_IDS_KEY)
     return dict(sd)
 
 
