@@ -25,7 +25,8 @@ def run_key(prompt: str, seed: int, mode: str, tau: float | None) -> str:
 
 
 def runs_for(prompts: list[str], taus: list[float], modes: list[str], seed: int) -> list[dict]:
-    """Every (prompt, mode, tau) to run; tau matters only for ``sdvg`` mode."""
+    """Every (prompt, mode, tau) to run; tau matters only for ``sdvg`` mode (modes and taus checked first)."""
+    check_runs(modes, taus)
     runs = []
     for i, prompt in enumerate(prompts):
         for mode in modes:
@@ -39,15 +40,68 @@ def shard(runs: list[dict], rank: int, world: int) -> list[dict]:
     return [r for r in runs if r["prompt_index"] % world == rank]
 
 
-def read_done(paths: list[Path]) -> set[str]:
+_ROW_KEYS = ("prompt", "seed", "mode", "tau")
+
+
+def read_rows(path: Path, *, log=print) -> list[dict]:
+    """The rows of a results file. A torn last line (a run killed mid-write) is dropped with a warning
+    naming the file and line, and cut from the file so that appended rows stay valid JSONL; any
+    other broken line is an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        if path.exists():
+            raise ValueError(f"{path}: is not a file; give a .jsonl results file name")
+        return []
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a JSONL results file (binary content); give a new --out name") from None
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            is_last = all(not rest.strip() for rest in lines[number:])
+            if is_last and not text.endswith("\n"):
+                log(f"warning: {path}:{number}: dropping a torn last line ({len(line)} characters, {e}); "
+                    "that run will be redone")
+                keep = len("\n".join(lines[: number - 1]).encode("utf-8"))
+                with path.open("r+b") as f:
+                    f.truncate(keep + (1 if number > 1 else 0))
+                break
+            raise ValueError(f"{path}:{number}: not a JSON results line ({e}); fix or delete that line") from None
+        if not isinstance(row, dict) or any(k not in row for k in _ROW_KEYS):
+            raise ValueError(f"{path}:{number}: a results line needs the keys {list(_ROW_KEYS)}; fix or delete that line")
+        rows.append(row)
+    return rows
+
+
+def read_done(paths: list[Path], *, log=print) -> set[str]:
     done = set()
     for path in paths:
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    done.add(run_key(row["prompt"], row["seed"], row["mode"], row["tau"]))
+        for row in read_rows(path, log=log):
+            done.add(run_key(row["prompt"], row["seed"], row["mode"], row["tau"]))
     return done
+
+
+def check_runs(modes: list[str], taus: list[float]) -> None:
+    """Refuse unknown modes and NaN taus before any run starts (not after the other modes ran)."""
+    from .pipeline import MODES
+
+    if not modes:
+        raise ValueError(f"no modes given; choose from {MODES}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    if "sdvg" in modes and not taus:
+        raise ValueError("mode 'sdvg' needs at least one tau")
+    bad = [t for t in taus if isinstance(t, float) and math.isnan(t)]
+    if bad:
+        raise ValueError("tau must not be NaN (use -inf to accept all, inf to reject all)")
 
 
 def evaluate(scorer, frames: torch.Tensor, prompt: str) -> dict:
@@ -80,7 +134,7 @@ def bench_rows(pipe, scorer, contexts: dict, runs: list[dict], *, num_frames: in
             "wall": rep["seconds"]["wall"], "speedup_estimate": rep["speedup_vs_target"],
             **evaluate(scorer, result.frames, run["prompt"]),
         }
-        with out_file.open("a") as f:
+        with out_file.open("a") as f:  # one write per line: a kill leaves at most a torn last line
             f.write(json.dumps(row) + "\n")
         ran += 1
         log(f"{run['mode']:>16} tau={run['tau']!s:>6} wall={row['wall']:.2f}s reward_min={row['reward_min']:+.3f} :: {run['prompt'][:50]}")
@@ -157,7 +211,9 @@ def pareto_plot(summary: list[dict], path: Path, *, quality_key: str = "reward_m
         label = s["mode"] if s["tau"] is None else f"tau {s['tau']:+.2f}"
         draw.text((x + 7, y - 6), label, fill=c)
     path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)
     return path
 
 
@@ -185,16 +241,15 @@ def merge_shards(out_file: Path, world: int) -> list[dict]:
     rows, seen = [], set()
     paths = [out_file] + ([shard_path(out_file, r) for r in range(world)] if world > 1 else [])
     for path in paths:
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    key = run_key(row["prompt"], row["seed"], row["mode"], row["tau"])
-                    if key not in seen:
-                        seen.add(key)
-                        rows.append(row)
+        for row in read_rows(path):
+            key = run_key(row["prompt"], row["seed"], row["mode"], row["tau"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(row)
     if world > 1:
-        out_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, out_file)  # the merged file appears whole or not at all
         for r in range(world):
             shard_path(out_file, r).unlink(missing_ok=True)
     return rows

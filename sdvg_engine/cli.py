@@ -3,6 +3,11 @@
     sdvg inspect PATH
     sdvg encode-prompts --text-encoder PATH [--tokenizer DIR] --prompts-file F --out embeds.safetensors
     sdvg generate --drafter D --target T --vae V [--reward R] (--prompt P | --prompts-file F) ...
+
+Failures are one line on stderr naming the argument or file, what is wrong and the fix, with exit
+status 2 (130 after Ctrl-C); ``--debug`` adds the traceback. Every argument and output path is checked
+(the table :data:`ARG_CHECKS`, then :func:`plan_generate_outputs`) before any model is loaded, outputs
+are written to a temporary name and renamed, and nothing existing is replaced without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -10,9 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,51 +32,418 @@ def _print_err(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
+class UsageError(ValueError):
+    """A bad command-line argument; the message starts with the flag and its value."""
+
+
+# ---- argument types and the validation table ---------------------------------------------------------------
+def tau_value(text: str) -> float:
+    """A threshold: any float, ``-inf`` (accept every draft) and ``inf`` (reject every draft) included; NaN refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (use e.g. -0.7, -inf or inf)") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError("NaN is not a threshold; use a number, -inf (accept all) or inf (reject all)")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def parse_taus(text: str) -> list[float]:
+    """``--taus -0.7,-1.5,-inf`` -> floats; NaN and empty entries refused naming the entry."""
+    taus = []
+    for part in text.split(","):
+        try:
+            taus.append(tau_value(part.strip()))
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"--taus {text}: entry {part.strip()!r}: {e}") from None
+    return taus
+
+
+def _looks_numeric(token: str) -> bool:
+    parts = token.split(",")
+    try:
+        for part in parts:
+            float(part)
+    except ValueError:
+        return False
+    return True
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--tau -inf`` -> ``--tau=-inf``: argparse reads a value starting with ``-`` that is not a plain
+    negative number (``-inf``, ``-1e3``, ``-0.7,-1.5``) as an option; joining keeps it a value."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if (tok.startswith("--") and "=" not in tok and i + 1 < len(argv) and argv[i + 1].startswith("-")
+                and _looks_numeric(argv[i + 1])):
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+@dataclass(frozen=True)
+class ArgCheck:
+    """One row of the validation table: ``check(args)`` returns what is wrong (and the fix) or ``None``."""
+
+    flag: str
+    check: Callable[[argparse.Namespace], "str | None"]
+    commands: tuple[str, ...] = ("generate", "bench")
+
+
+#: Checked in order by :func:`validate_args` before anything is loaded. Add a row for every new flag
+#: (``arg_check("--my-flag")(lambda args: ...)`` or ``ARG_CHECKS.append(ArgCheck(...))``).
+ARG_CHECKS: list[ArgCheck] = []
+
+
+def arg_check(flag: str, *commands: str):
+    def register(fn):
+        ARG_CHECKS.append(ArgCheck(flag, fn, commands or ("generate", "bench")))
+        return fn
+
+    return register
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for the first row of :data:`ARG_CHECKS` that fails for ``args.command``."""
+    for row in ARG_CHECKS:
+        if args.command not in row.commands:
+            continue
+        attr = row.flag.lstrip("-").replace("-", "_")
+        if not hasattr(args, attr):
+            continue
+        problem = row.check(args)
+        if problem:
+            value = getattr(args, attr, None)
+            shown = f" {value}" if value is not None and not isinstance(value, bool) else ""
+            raise UsageError(f"{row.flag}{shown}: {problem}")
+
+
+def _flag(args, name):
+    return getattr(args, name.lstrip("-").replace("-", "_"), None)
+
+
+@arg_check("--width")
+def _check_width(args):
+    return _size_problem(args.width, "width")
+
+
+@arg_check("--height")
+def _check_height(args):
+    return _size_problem(args.height, "height")
+
+
+MAX_SIDE = 4096
+
+
+def _size_problem(value: int, name: str) -> str | None:
+    if value < 16 or value % 16:
+        lower = max(16, value - value % 16)
+        return f"the {name} must be a positive multiple of 16 (e.g. {lower} or {lower + 16})"
+    if value > MAX_SIDE:
+        return f"the {name} must be at most {MAX_SIDE} pixels (Wan2.1 is trained at 832x480)"
+    return None
+
+
+@arg_check("--frames")
+def _check_frames(args):
+    from .pipeline import video_frames_to_latent_frames
+
+    try:
+        latent = video_frames_to_latent_frames(args.frames)
+    except ValueError as e:
+        return str(e).replace(f"num_frames={args.frames} ", "")
+    capacity = args.max_frames
+    if "global_cache" in (args.drafter_context, args.target_context) and latent > capacity:
+        return (f"needs {latent} latent frames but the global KV cache holds --max-frames {capacity}; "
+                f"raise --max-frames or use --drafter-context/--target-context recompute_window")
+    return None
+
+
+@arg_check("--max-frames")
+def _check_max_frames(args):
+    return None if args.max_frames >= 3 else "must be at least 3 (one block of latent frames)"
+
+
+@arg_check("--seed")
+def _check_seed(args):
+    return None if 0 <= args.seed < 2**63 - 10_000 else "must be a non-negative integer (e.g. 42)"
+
+
+@arg_check("--tau", "generate")
+def _check_tau(args):
+    return "NaN is not a threshold; use a number, -inf or inf" if math.isnan(args.tau) else None
+
+
+@arg_check("--random-p", "generate")
+def _check_random_p(args):
+    return None if 0.0 <= args.random_p <= 1.0 else "must be a probability in [0, 1]"
+
+
+@arg_check("--refine-from-step", "generate")
+def _check_refine(args):
+    from .sampling import SCHEDULES
+
+    k = args.refine_from_step
+    most = max(s.num_steps for s in SCHEDULES.values()) - 1
+    if k is not None and not 1 <= k <= most:
+        return f"must be a drafter step in 1..{most} (1..3 for the 4-step Self-Forcing drafter; 3 is the reference's best)"
+    return None
+
+
+@arg_check("--cascade", "generate")
+def _check_cascade(args):
+    if not args.cascade or args.mode != "sdvg":
+        return None
+    if args.aggregation != "min":
+        return "cascade scoring is exact only with --aggregation min; drop --cascade or use --aggregation min"
+    if args.temporal_weight != 0.0:
+        return "cascade scoring does not combine with --temporal-weight; drop one of them"
+    return None
+
+
+@arg_check("--temporal-weight")
+def _check_temporal(args):
+    return None if math.isfinite(args.temporal_weight) else "must be a finite number"
+
+
+@arg_check("--attention-bias")
+def _check_attention_bias(args):
+    bias = args.attention_bias
+    if bias is None:
+        return None
+    if not 0.0 < bias <= 1.0:
+        return "must be in (0, 1] (Scope uses 0.3)"
+    if args.target_context == "global_cache":
+        return ("applies to recompute-window targets only, but --target-context is global_cache; "
+                "drop --attention-bias or use --target-context recompute_window")
+    return None
+
+
+@arg_check("--reward", "generate")
+def _check_reward(args):
+    if args.mode == "sdvg" and not args.reward:
+        return "mode 'sdvg' needs --reward (an ImageReward.pt file); or pick another --mode"
+    return None
+
+
+for _dev in ("--device", "--drafter-device", "--aux-device"):
+    arg_check(_dev)(lambda args, _dev=_dev: _device_problem(_flag(args, _dev)))
+arg_check("--device", "encode-prompts")(lambda args: _device_problem(args.device))
+
+
+def _device_problem(name: str | None) -> str | None:
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return "not a device; use cpu, cuda or cuda:N"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is False); use --device cpu"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"there are only {torch.cuda.device_count()} CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})"
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            return "MPS is not available on this machine; use --device cpu"
+    elif device.type != "cpu":
+        return f"device type {device.type!r} is not supported; use cpu or cuda"
+    return None
+
+
+for _name in ("--dtype", "--vae-dtype"):
+    arg_check(_name, "generate", "bench", "encode-prompts")(lambda args, _name=_name: _dtype_problem(_flag(args, _name)))
+
+
+def _dtype_problem(name) -> str | None:
+    from .loaders import DTYPES
+
+    if name is None or name in DTYPES:
+        return None
+    return f"unknown dtype; choose one of {', '.join(sorted(DTYPES))}"
+
+
+for _name, _commands in (("--drafter", ("generate", "bench")), ("--target", ("generate", "bench")),
+                         ("--vae", ("generate", "bench")), ("--reward", ("generate", "bench")),
+                         ("--context-file", ("generate", "bench")), ("--prompts-file", ("generate", "bench", "encode-prompts")),
+                         ("--text-encoder", ("generate", "bench", "encode-prompts")),
+                         ("--tokenizer", ("generate", "bench", "encode-prompts"))):
+    arg_check(_name, *_commands)(lambda args, _name=_name: _input_problem(_flag(args, _name)))
+
+
+def _input_problem(value) -> str | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.exists():
+        return "not found; check the path"
+    return None
+
+
+@arg_check("--taus", "bench")
+def _check_taus(args):
+    parse_taus(args.taus)
+    return None
+
+
+@arg_check("--modes", "bench")
+def _check_modes(args):
+    from .pipeline import MODES
+
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        return f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}"
+    return None
+
+
+@arg_check("--num-heads", "inspect")
+def _check_num_heads(args):
+    return None if args.num_heads is None or args.num_heads >= 1 else "must be a positive integer (attention heads)"
+
+
+# ---- output paths ------------------------------------------------------------------------------------------
+def _check_writable_folder(folder: Path, flag: str, shown) -> None:
+    """``folder`` (or its nearest existing ancestor, where it will be created) must be a writable folder."""
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UsageError(f"{flag} {shown}: {probe} is a file, not a folder; choose another path")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {shown}: cannot write in {probe} ({e.strerror or e}); choose a writable folder") from None
+
+
+def check_output_file(path: Path, flag: str, *, overwrite: bool) -> None:
+    """An output file: not a folder, not existing (unless ``overwrite``), in a writable folder."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name (e.g. {path / 'report.json'})")
+    if path.exists() and not overwrite:
+        raise UsageError(f"{flag} {path}: already exists; pass --overwrite to replace it or choose another name")
+    _check_writable_folder(path.parent, flag, path)
+
+
+#: Names a run writes into --out; any of them already there means the folder holds an earlier run.
+OUTPUT_NAME = re.compile(r"^(video_\d{3,}(\.mp4|\.webp)?|mask_\d{3,}\.png|report\.json)$")
+
+
+def plan_generate_outputs(args, count: int, suffix: str) -> tuple[Path, list[tuple[Path, Path]], Path]:
+    """Check ``--out`` / ``--report`` before anything loads: ``(out, [(video, mask)] * count, report)``.
+
+    A folder holding an earlier run's files is refused (naming one) unless ``--overwrite``; then the
+    stale files of the earlier set are removed after the new set is written (never a mix).
+    """
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file, not a folder; choose a folder name")
+    _check_writable_folder(out, "--out", out)
+    files = [(out / f"video_{i:03d}{suffix}", out / f"mask_{i:03d}.png") for i in range(count)]
+    report = Path(args.report).expanduser() if args.report else out / "report.json"
+    if args.report:
+        check_output_file(report, "--report", overwrite=args.overwrite)
+        if report.resolve() in {p.resolve() for pair in files for p in pair}:
+            raise UsageError(f"--report {report}: is also a video/mask output; choose another name")
+    if out.is_dir() and not args.overwrite:
+        earlier = sorted(p.name for p in out.iterdir() if OUTPUT_NAME.match(p.name))
+        if earlier:
+            more = f" (and {len(earlier) - 1} more)" if len(earlier) > 1 else ""
+            raise UsageError(f"--out {out}: already holds {earlier[0]}{more} from an earlier run; pass --overwrite to "
+                             "replace that set, or choose an empty folder")
+    return out, files, report
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    from .video_io import atomic_output
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
+
+
 # ---- inspect --------------------------------------------------------------------------------------------
 def cmd_inspect(args) -> int:
+    """Describe a file, validating it exactly as the loaders do; exit 2 when a load would fail."""
     from .models.loading import CheckpointError, inspect_checkpoint
 
     try:
         info = inspect_checkpoint(args.path, num_heads=args.num_heads)
-    except CheckpointError as err:
+    except CheckpointError:
         other = _describe_other(Path(args.path))
         if other is None:
             raise
-        print(other)
+        print(json.dumps(other, indent=2) if args.json else
+              "\n".join(f"{k + ':':<16}{v}" for k, v in other.items()))
         return 0
     print(json.dumps(info.to_dict(), indent=2) if args.json else info.describe())
     return 0
 
 
-def _describe_other(path: Path) -> str | None:
-    """Name files that are not causal DiTs but that SDVG also reads (VAE, ImageReward)."""
-    if path.is_dir() or path.suffix not in (".safetensors", ".pt", ".pth"):
-        return None
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
+def _describe_other(path: Path) -> dict | None:
+    """Files that are not causal DiTs but that SDVG also reads (Wan VAE, ImageReward), validated by their loaders.
 
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
+    Returns ``None`` when the file is neither (the DiT error is then the answer); raises the loader's
+    error when it is one of them but would not load.
+    """
+    from .checkpoint_io import read_tensor_file
+
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file() and (path / "vae" / "config.json").is_file():
+            config = path / "vae" / "config.json"
+        if not config.is_file() or '"AutoencoderKLWan"' not in config.read_text(errors="replace"):
+            return None
+        keys = None
     else:
-        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        keys = list(state) if isinstance(state, dict) else []
-    if any(k.startswith("blip.") for k in keys):
-        return f"file:           {path}\nkind:           ImageReward reward model ({len(keys)} tensors)"
-    if any("decoder.middle.0.residual.0.gamma" in k or k.startswith("decoder.up_blocks") for k in keys):
-        return f"file:           {path}\nkind:           Wan VAE ({len(keys)} tensors)"
+        keys = list(read_tensor_file(path, entries=("state_dict", "model", "module"))[0])
+    if keys is not None and any(k.startswith("blip.") for k in keys):
+        from .reward import load_image_reward
+
+        scorer = load_image_reward(path)
+        n = sum(p.numel() for p in scorer.model.parameters())
+        return {"file": str(path), "kind": f"ImageReward reward model ({len(keys)} tensors, {n:,} parameters)"}
+    if keys is None or any(k.split(".", 1)[-1].startswith(("decoder.middle.0.residual", "decoder.up_blocks", "decoder.conv_in"))
+                           for k in keys):
+        from .vae import load_wan_vae
+
+        vae = load_wan_vae(path)
+        return {"file": str(path), "kind": f"Wan VAE (z_dim {vae.vae.config.z_dim}, base_dim {vae.vae.config.base_dim})"}
     return None
 
 
 # ---- encode-prompts ---------------------------------------------------------------------------------------
 def _read_prompts(args) -> list[str]:
     prompts = []
-    if getattr(args, "prompt", None):
+    if getattr(args, "prompt", None) is not None:
         prompts.append(args.prompt)
     if getattr(args, "prompts_file", None):
         path = Path(args.prompts_file)
         if not path.is_file():
-            raise FileNotFoundError(f"prompts file not found: {path}")
-        prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+            raise UsageError(f"--prompts-file {path}: not found or not a file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"--prompts-file {path}: not a UTF-8 text file (one prompt per line)") from None
+        prompts += [line.strip() for line in text.splitlines() if line.strip()]
     return prompts
 
 
@@ -75,23 +452,30 @@ def cmd_encode_prompts(args) -> int:
     from .text_encoder import load_text_encoder, save_prompt_embeddings
 
     prompts = _read_prompts(args)
-    if not prompts:
-        raise SystemExit("no prompts: give --prompt or --prompts-file")
+    if not prompts or not all(p.strip() for p in prompts):
+        raise UsageError("--prompt/--prompts-file: no (non-empty) prompts; give --prompt TEXT or --prompts-file F")
+    out = Path(args.out).expanduser()
+    check_output_file(out, "--out", overwrite=args.overwrite)
     encoder = load_text_encoder(args.text_encoder, tokenizer=args.tokenizer, device=args.device, dtype=parse_dtype(args.dtype))
     contexts = []
     for i, prompt in enumerate(prompts):
         contexts.append(encoder.encode(prompt))
         _print_err(f"encoded {i + 1}/{len(prompts)}: {prompt[:70]}")
-    save_prompt_embeddings(args.out, prompts, contexts)
-    print(f"wrote {len(prompts)} prompt embeddings to {args.out}")
+    save_prompt_embeddings(out, prompts, contexts)  # temporary file + rename
+    print(f"wrote {len(prompts)} prompt embeddings to {out}")
     return 0
 
 
 # ---- generate -------------------------------------------------------------------------------------------------
-def _contexts(args) -> list[tuple[str, torch.Tensor]]:
-    from .loaders import parse_dtype
-    from .text_encoder import load_prompt_embeddings, load_text_encoder
+def plan_prompts(args) -> tuple[list[str], list[tuple[str, torch.Tensor]] | None]:
+    """The prompts of the run, read without loading a model: ``(prompts, pairs from --context-file or None)``.
 
+    Refuses (before anything loads) an empty prompt list, prompts missing from the context file, a
+    text-encoder-less run, and an empty reward prompt in ``sdvg`` mode (it would score against nothing).
+    """
+    from .text_encoder import load_prompt_embeddings
+
+    pairs = None
     if args.context_file:
         pairs = load_prompt_embeddings(args.context_file)
         wanted = _read_prompts(args)
@@ -99,17 +483,51 @@ def _contexts(args) -> list[tuple[str, torch.Tensor]]:
             by_prompt = dict(pairs)
             missing = [p for p in wanted if p not in by_prompt]
             if missing:
-                raise SystemExit(f"{args.context_file} has no embeddings for: {missing[:3]}")
+                raise UsageError(f"--context-file {args.context_file}: has no embeddings for {missing[:3]}; encode them "
+                                 "with `sdvg encode-prompts` or drop --prompt/--prompts-file")
             pairs = [(p, by_prompt[p]) for p in wanted]
+        prompts = [p for p, _ in pairs]
+    else:
+        prompts = _read_prompts(args)
+        if not prompts:
+            raise UsageError("--prompt/--prompts-file/--context-file: no prompts; give one of them")
+        if not args.text_encoder:
+            raise UsageError("--text-encoder: prompts need a text encoder (with --tokenizer for a single file), "
+                             "or give --context-file")
+    if getattr(args, "mode", "sdvg") == "sdvg":
+        empty = [i for i, p in enumerate(prompts) if not p.strip()]
+        if empty:
+            where = f"--context-file {args.context_file}" if args.context_file else "--prompt"
+            raise UsageError(f"{where}: prompt {empty[0]} is empty; mode 'sdvg' scores drafts against the prompt "
+                             "(ImageReward), so give a non-empty prompt or use another --mode")
+    return prompts, pairs
+
+
+def _contexts(args, plan=None) -> list[tuple[str, torch.Tensor]]:
+    from .loaders import parse_dtype
+    from .text_encoder import load_text_encoder
+
+    prompts, pairs = plan or plan_prompts(args)
+    if pairs is not None:
         return pairs
-    prompts = _read_prompts(args)
-    if not prompts:
-        raise SystemExit("no prompts: give --prompt, --prompts-file or --context-file")
-    if not args.text_encoder:
-        raise SystemExit("prompts need a text encoder (--text-encoder, with --tokenizer for a single file) or --context-file")
     encoder = load_text_encoder(args.text_encoder, tokenizer=args.tokenizer, device=args.aux_device or args.device,
                                 dtype=parse_dtype(args.dtype))
     return [(p, encoder.encode(p)) for p in prompts]
+
+
+def generator_kwargs(args, role: str) -> dict:
+    """Keyword arguments of :func:`sdvg_engine.loaders.load_generator` for ``role`` (``drafter``/``target``);
+    one place to map new model flags."""
+    common = dict(name=role, dtype=args.dtype, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv, compile=args.compile)
+    if role == "drafter":
+        return dict(common, device=args.drafter_device or args.device, context_scheme=args.drafter_context)
+    return dict(common, device=args.device, fp8=args.fp8_target, context_scheme=args.target_context,
+                schedule=args.target_schedule, attention_bias=args.attention_bias)
+
+
+def router_kwargs(args) -> dict:
+    """Keyword arguments of :class:`sdvg_engine.router.RewardRouter` (besides the scorer)."""
+    return dict(tau=args.tau, aggregation=args.aggregation, crop=args.crop, temporal_weight=args.temporal_weight)
 
 
 def build_pipeline(args):
@@ -118,22 +536,18 @@ def build_pipeline(args):
     from .router import RewardRouter
     from .vae import load_wan_vae
 
+    if args.mode == "sdvg" and not args.reward:
+        raise UsageError("--reward: mode 'sdvg' needs --reward (an ImageReward.pt file)")
     aux = args.aux_device or args.device
     vae = load_wan_vae(args.vae, device=aux, dtype=parse_dtype(args.vae_dtype))
-    drafter = load_generator(args.drafter, name="drafter", dtype=args.dtype, device=args.drafter_device or args.device,
-                             context_scheme=args.drafter_context, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv,
-                             compile=args.compile)
-    target = load_generator(args.target, name="target", dtype=args.dtype, device=args.device, fp8=args.fp8_target,
-                            context_scheme=args.target_context, schedule=args.target_schedule, max_frames=args.max_frames,
-                            attention_bias=args.attention_bias, fuse_qkv=args.fuse_qkv, compile=args.compile)
+    drafter = load_generator(args.drafter, **generator_kwargs(args, "drafter"))
+    target = load_generator(args.target, **generator_kwargs(args, "target"))
     router = None
     if args.reward:
         from .reward import load_image_reward
 
         scorer = load_image_reward(args.reward, device=aux)
-        router = RewardRouter(scorer, tau=args.tau, aggregation=args.aggregation, crop=args.crop, temporal_weight=args.temporal_weight)
-    elif args.mode == "sdvg":
-        raise SystemExit("mode 'sdvg' needs --reward (an ImageReward.pt file)")
+        router = RewardRouter(scorer, **router_kwargs(args))
     return SpeculativePipeline(drafter, target, vae, router)
 
 
@@ -154,22 +568,33 @@ def _progress(num_blocks: int, tau: float | None):
     return on_block
 
 
+def _video_suffix(args) -> str:
+    from .video_io import default_video_suffix, have_pyav
+
+    if args.format == "mp4" and not have_pyav():
+        raise UsageError("--format mp4: needs PyAV (pip install av); or use --format webp")
+    suffix = f".{args.format}" if args.format else default_video_suffix()
+    if suffix == ".webp" and not have_pyav() and not args.format:
+        _print_err("PyAV is not installed: writing animated WebP instead of MP4 (pip install av for MP4)")
+    return suffix
+
+
 def cmd_generate(args) -> int:
     from PIL import Image
 
     from .pipeline import CancelToken, GenerationCancelled, SDVGOptions, video_frames_to_latent_frames
-    from .video_io import default_video_suffix, have_pyav, mask_strip, write_video
+    from .video_io import atomic_output, mask_strip, write_video
 
     options = SDVGOptions(mode=args.mode, force_first_block=args.force_first_block, random_accept_prob=args.random_p,
                           refine_from_step=args.refine_from_step, cascade=args.cascade)
     num_blocks = video_frames_to_latent_frames(args.frames) // 3
-    pairs = _contexts(args)
+    # Everything that can be checked without a model is checked before the first load.
+    plan = plan_prompts(args)
+    suffix = _video_suffix(args)
+    out, files, report_path = plan_generate_outputs(args, len(plan[0]), suffix)
+    pairs = _contexts(args, plan)
     pipe = build_pipeline(args)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = f".{args.format}" if args.format else default_video_suffix()
-    if suffix == ".webp" and not have_pyav() and not args.format:
-        _print_err("PyAV is not installed: writing animated WebP instead of MP4 (pip install av for MP4)")
 
     token = CancelToken()
 
@@ -189,10 +614,12 @@ def cmd_generate(args) -> int:
                                        seed=args.seed + i, options=options, cancel=token,
                                        on_block=_progress(num_blocks, args.tau if args.mode == "sdvg" else None))
             except GenerationCancelled as err:
-                _print_err(str(err))
+                _print_err(f"sdvg generate: {err}; {len(reports)} finished video(s) kept in {out}")
                 return 130
-            video = write_video(result.frames, out / f"video_{i:03d}{suffix}")
-            Image.fromarray(mask_strip(result.acceptance_mask)).save(out / f"mask_{i:03d}.png")
+            video_path, mask_path = files[i]
+            video = write_video(result.frames, video_path)  # temporary file + rename
+            with atomic_output(mask_path) as tmp:
+                Image.fromarray(mask_strip(result.acceptance_mask)).save(tmp, format="PNG")
             result.report["video"] = str(video)
             reports.append(result.report)
             speed = result.report["speedup_vs_target"]
@@ -200,8 +627,12 @@ def cmd_generate(args) -> int:
                        f"speedup vs target {speed:.2f}x" if speed else f"  -> {video}")
     finally:
         signal.signal(signal.SIGINT, previous)
-    report_path = Path(args.report) if args.report else out / "report.json"
-    report_path.write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
+    write_text_atomic(report_path, json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
+    if args.overwrite:  # an earlier, larger set in the same folder: remove its leftovers (never a mix)
+        keep = {p.name for pair in files for p in pair} | {report_path.name}
+        for stale in sorted(out.iterdir()):
+            if OUTPUT_NAME.match(stale.name) and stale.name not in keep and stale.is_file():
+                stale.unlink()
     print(f"wrote {len(reports)} video(s) to {out} and the report to {report_path}")
     return 0
 
@@ -212,23 +643,30 @@ def cmd_bench(args) -> int:
     from .router import RewardRouter
 
     rank, world = bench.distributed_context()
-    if not args.reward:
-        raise SystemExit("sdvg bench needs --reward (ImageReward scores both the routing and the evaluation)")
-    taus = [float(t) for t in args.taus.split(",")]
+    taus = parse_taus(args.taus)
     modes = [m.strip() for m in args.modes.split(",")]
-    pairs = _contexts(args)
+    args.mode, args.tau = "sdvg" if "sdvg" in modes else modes[0], taus[0]  # the router is rebuilt per run
+    plan = plan_prompts(args)
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        raise UsageError(f"--out {out}: is a folder; give a .jsonl file name")
+    _check_writable_folder(out.parent, "--out", out)
+    plot_path = Path(args.plot).expanduser() if args.plot else out.with_suffix(".png")
+    if plot_path.is_dir() or plot_path.suffix.lower() != ".png":
+        raise UsageError(f"--plot {plot_path}: must be a .png file name")
+    if plot_path.resolve() == out.resolve():
+        raise UsageError(f"--plot {plot_path}: is the results file; choose another name")
+    my_file = bench.shard_path(out, rank) if world > 1 else out
+    done = bench.read_done([out, my_file], log=_print_err)  # a broken results file fails here, before any load
+    args.mode = "sdvg"
+    pairs = _contexts(args, plan)
     contexts = dict(pairs)
-    args.mode, args.tau = "sdvg", taus[0]  # the router is rebuilt per run with that run's tau
     pipe = build_pipeline(args)
     scorer = pipe.router.scorer
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = bench.runs_for([p for p, _ in pairs], taus, modes, args.seed)
     mine = bench.shard(runs, rank, world)
-    my_file = bench.shard_path(out, rank) if world > 1 else out
-    done = bench.read_done([out, my_file])
-    factory = lambda tau: RewardRouter(scorer, tau=tau, aggregation=args.aggregation, crop=args.crop,
-                                       temporal_weight=args.temporal_weight)
+    factory = lambda tau: RewardRouter(scorer, **dict(router_kwargs(args), tau=tau))
     ran = bench.bench_rows(pipe, scorer, contexts, mine, num_frames=args.frames, width=args.width, height=args.height,
                            out_file=my_file, done=done, router_factory=factory, log=_print_err)
     _print_err(f"rank {rank}/{world}: ran {ran} videos, skipped {len(mine) - ran} already in {out}")
@@ -237,7 +675,7 @@ def cmd_bench(args) -> int:
         rows = bench.merge_shards(out, world)
         summary = bench.summarize(rows)
         print(bench.format_table(summary))
-        plot = bench.pareto_plot(summary, Path(args.plot) if args.plot else out.with_suffix(".png"))
+        plot = bench.pareto_plot(summary, plot_path)
         print(f"\n{len(rows)} videos in {out}; Pareto plot {plot}")
     bench.barrier(world)
     return 0
@@ -255,7 +693,7 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
     p.add_argument("--tokenizer")
     p.add_argument("--aggregation", choices=("min", "mean"), default="min")
     p.add_argument("--crop", choices=("center", "full"), default="center")
-    p.add_argument("--temporal-weight", type=float, default=0.0)
+    p.add_argument("--temporal-weight", type=finite_float, default=0.0)
     p.add_argument("--frames", type=int, default=81, help="video frames: 12n-3 (81 = 7 blocks)")
     p.add_argument("--width", type=int, default=832)
     p.add_argument("--height", type=int, default=480)
@@ -272,8 +710,9 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
     p.add_argument("--drafter-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
     p.add_argument("--target-context", default="auto", choices=("auto", "global_cache", "recompute_window"))
     p.add_argument("--target-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
-    p.add_argument("--attention-bias", type=float, default=None, help="Scope's KV bias for recompute-window models (0.3)")
+    p.add_argument("--attention-bias", type=finite_float, default=None, help="Scope's KV bias for recompute-window models (0.3)")
     p.add_argument("--max-frames", type=int, default=21, help="global-cache capacity in latent frames")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files (never done otherwise)")
 
 
 # ---- parser ---------------------------------------------------------------------------------------------------
@@ -281,6 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .pipeline import MODES
 
     parser = argparse.ArgumentParser(prog="sdvg", description="Speculative decoding for autoregressive video diffusion")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure (anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="say what a checkpoint file is (format, architecture, params, dtype, context scheme)")
@@ -294,28 +734,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder (needed with a single file)")
     p.add_argument("--prompt")
     p.add_argument("--prompts-file", help="one prompt per line")
-    p.add_argument("--out", required=True, help="output .safetensors")
+    p.add_argument("--out", required=True, help="output .safetensors (an existing file is kept unless --overwrite)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=cmd_encode_prompts)
 
     p = sub.add_parser("generate", help="generate videos with SDVG (or a baseline mode)")
     _add_model_args(p)
-    p.add_argument("--tau", type=float, default=-0.7, help="acceptance threshold on the block's reward (default -0.7)")
+    p.add_argument("--tau", type=tau_value, default=-0.7,
+                   help="acceptance threshold on the block's reward (default -0.7; -inf accepts all, inf rejects all)")
     p.add_argument("--mode", choices=MODES, default="sdvg")
     p.add_argument("--force-first-block", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--random-p", type=float, default=0.73, help="acceptance probability of --mode random")
+    p.add_argument("--random-p", type=finite_float, default=0.73, help="acceptance probability of --mode random")
     p.add_argument("--refine-from-step", type=int, default=None, help="hybrid regeneration from the drafter's step k")
     p.add_argument("--cascade", action="store_true", help="cascade scoring (4 frames first)")
     p.add_argument("--out", default="outputs")
     p.add_argument("--format", choices=("mp4", "webp"), default=None)
-    p.add_argument("--report", default=None, help="report JSON path (default OUT/report.json)")
+    p.add_argument("--report", default=None, help="report JSON path (default OUT/report.json; an existing file is kept "
+                                                  "unless --overwrite)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="prompts x tau values x modes -> resumable JSONL, summary table, Pareto plot "
                                      "(shards prompts across ranks under torchrun)")
     _add_model_args(p, reward_required=True)
-    p.add_argument("--taus", default="-0.7,-1.0,-1.5,-2.0", help="comma-separated tau values for sdvg mode; write --taus=-0.7,-1.5 (with =) so the minus sign is not read as an option")
+    p.add_argument("--taus", default="-0.7,-1.0,-1.5,-2.0", help="comma-separated tau values for sdvg mode (-inf/inf allowed)")
     p.add_argument("--modes", default="sdvg,target_only,draft_only,first_block_only,random",
                    help="comma-separated modes")
     p.add_argument("--out", default="bench_results.jsonl")
@@ -324,12 +767,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Failures that are the user's input or environment: reported in one line, exit status 2.
+EXPECTED_ERRORS = (ValueError, OSError)
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in str(err.args[-1] if err.args else ""):
+        text = f"{err.filename}: {err.strerror or err}"
+    else:
+        text = str(err) or type(err).__name__
+    if isinstance(err, KeyError):  # str(KeyError) is the quoted key alone
+        text = f"missing key {text}"
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def main(argv=None) -> int:
+    """Run one command; returns the exit status (0, 2 for any failure, 130 after Ctrl-C)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = join_negative_values([a for a in argv if a != "--debug"])
     args = build_parser().parse_args(argv)
     try:
+        validate_args(args)
         return args.func(args)
-    except (FileNotFoundError, ValueError) as err:
-        _print_err(f"sdvg {args.command}: error: {err}")
+    except KeyboardInterrupt:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _print_err(f"sdvg {args.command}: interrupted (Ctrl-C); no output was left half-written")
+        return 130
+    except torch.OutOfMemoryError as err:
+        if debug:
+            raise
+        _print_err(f"sdvg {args.command}: error: out of memory ({_one_line(err)[:200]}); lower --width/--height/--frames, "
+                   "use --fp8-target, or put the drafter/VAE on another device (--drafter-device/--aux-device)")
+        return 2
+    except EXPECTED_ERRORS as err:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _print_err(f"sdvg {args.command}: error: {_one_line(err)}")
         return 2
 
 

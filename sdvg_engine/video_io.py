@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,18 +27,51 @@ def have_pyav() -> bool:
     return True
 
 
-def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: int = FPS) -> Path:
+@contextmanager
+def atomic_output(path: str | os.PathLike, *, overwrite: bool = True):
+    """Yield a temporary path next to ``path`` (same suffix); on success it is renamed onto ``path``.
+
+    An interrupted or failed write leaves ``path`` as it was (the temporary is removed). With
+    ``overwrite=False`` an existing ``path`` is refused (``FileExistsError``) before anything is written.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass --overwrite (overwrite=True) to replace it or choose another name")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        if tmp.is_dir() and path.is_dir():  # PNG-frame folders: os.replace cannot replace a non-empty folder
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: int = FPS, *, overwrite: bool = True) -> Path:
     """Write ``frames`` to ``path``; the suffix picks the format (``.mp4``, ``.webp``, or a folder for PNGs).
 
     An ``.mp4`` request without PyAV installed raises (``pip install av``) rather than silently
     writing something else; callers that want a fallback choose it with :func:`default_video_suffix`.
+    The video is written to a temporary name and renamed at the end (:func:`atomic_output`), so a
+    failed write never leaves a torn file; ``overwrite=False`` refuses an existing ``path``.
     """
     path = Path(path)
+    if path.suffix not in (".mp4", ".webp", ""):
+        raise ValueError(f"unknown video format '{path.suffix}' for {path}: use .mp4, .webp or a folder name")
+    if path.suffix == ".mp4" and not have_pyav():
+        raise RuntimeError(f"writing {path} needs PyAV (pip install av); or ask for .webp")
     pixels = to_uint8(frames)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".mp4":
-        if not have_pyav():
-            raise RuntimeError(f"writing {path} needs PyAV (pip install av); or ask for .webp")
+    with atomic_output(path, overwrite=overwrite) as tmp:
+        _write_pixels(pixels, path.suffix, tmp, fps)
+    return path
+
+
+def _write_pixels(pixels: np.ndarray, suffix: str, path: Path, fps: int) -> None:
+    if suffix == ".mp4":
         import av
 
         height, width = pixels.shape[1:3]
@@ -49,19 +84,17 @@ def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: int = FPS) -
                 packet = stream.encode(av.VideoFrame.from_ndarray(frame[: stream.height, : stream.width], format="rgb24"))
                 container.mux(packet)
             container.mux(stream.encode())
-        return path
+        return
     from PIL import Image
 
     images = [Image.fromarray(f) for f in pixels]
-    if path.suffix == ".webp":
-        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0, lossless=False, quality=90)
-        return path
-    if path.suffix == "":
-        path.mkdir(parents=True, exist_ok=True)
-        for i, image in enumerate(images):
-            image.save(path / f"frame_{i:05d}.png")
-        return path
-    raise ValueError(f"unknown video format '{path.suffix}' for {path}: use .mp4, .webp or a folder name")
+    if suffix == ".webp":
+        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0, lossless=False,
+                       quality=90, format="WEBP")
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(images):
+        image.save(path / f"frame_{i:05d}.png")
 
 
 def default_video_suffix() -> str:

@@ -54,10 +54,11 @@ def test_generate_writes_videos_masks_and_report(files, tmp_path, mode, capsys):
 
 
 def test_generate_sdvg_without_reward_is_refused(files, tmp_path, capsys):
-    with pytest.raises(SystemExit, match="needs --reward"):
-        main(["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+    assert main(["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
               "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--frames", "21",
-              "--width", str(WIDTH), "--height", str(HEIGHT), "--device", "cpu", "--out", str(tmp_path)])
+              "--width", str(WIDTH), "--height", str(HEIGHT), "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("sdvg generate: error: --reward: mode 'sdvg' needs --reward "
+                                               "(an ImageReward.pt file); or pick another --mode")
 
 
 def test_generate_rejects_bad_frame_count(files, tmp_path, capsys):
