@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -109,12 +110,43 @@ class Services:
 
     def resolve(self, folders: Iterable[str], name: str) -> str:
         folders = list(folders)
+        check_model_name(name, folders)
         for folder in folders:
             for root in self.folders.get(folder, []):
                 path = os.path.join(root, name)
+                # By name only: symlinked model files (common for large weights) stay usable.
+                if not _inside(path, root):
+                    raise ValueError(f"model file {name!r} resolves outside the {folder!r} folder {root}; "
+                                     "pick a file inside ComfyUI's model folders")
                 if os.path.isfile(path) or os.path.isdir(path):
                     return path
         raise FileNotFoundError(f"model file {name!r} not found in the folders {folders}")
+
+
+def _inside(path: str, root: str) -> bool:
+    root = os.path.abspath(root)
+    return os.path.commonpath([os.path.abspath(path), root]) == root
+
+
+def check_model_name(name: str, folders: Iterable[str] = ()) -> str:
+    """Refuse a model file name that could leave ComfyUI's model folders (absolute, ``..``, empty).
+
+    Node inputs are names relative to a models/ folder (``sub/dir/file.safetensors``); anything else
+    would let a workflow read arbitrary files.
+    """
+    where = f" in {list(folders)}" if folders else ""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model file name is empty; pick a file{where} (ComfyUI models/ folders)")
+    if "\x00" in name:
+        raise ValueError(f"model file name {name!r} contains a NUL byte; pick a file{where}")
+    parts = re.split(r"[\\/]", name)
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        raise ValueError(f"model file {name!r} is an absolute path; give a name relative to the model folders{where} "
+                         "(put the file in ComfyUI/models/... or list its folder in extra_model_paths.yaml)")
+    if ".." in parts:
+        raise ValueError(f"model file {name!r} contains '..'; give a name inside the model folders{where} "
+                         "(put the file in ComfyUI/models/... or list its folder in extra_model_paths.yaml)")
+    return name
 
 
 def combo_options(spec: schema.InputSpec, services: Services) -> list:
@@ -191,6 +223,7 @@ def load_sdvg_model(path: str, *, role: str, dtype: str = "bf16", device: str = 
 
 def load_model_node(ckpt_name: str, dtype: str, device: str, context_scheme: str, *, role: str,
                     services: Services) -> SDVGModel:
+    check_model_name(ckpt_name, schema.DRAFTER_FOLDERS)  # also under ComfyUI, whose own resolver may normalise the name
     path = services.resolve(schema.DRAFTER_FOLDERS, ckpt_name)
     return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services)
 
@@ -252,6 +285,7 @@ def clear_reward_cache() -> None:
 def build_router(reward_model: str, tau: float, aggregation: str, crop: str, temporal_weight: float, *,
                  services: Services) -> SDVGRouter:
     """The work of SDVGRewardRouter."""
+    check_model_name(reward_model, schema.REWARD_FOLDERS)  # also under ComfyUI, whose own resolver may normalise the name
     path = services.resolve(schema.REWARD_FOLDERS, reward_model)
     # Validate the settings now (RewardRouter raises with a message), before the sampler runs.
     scorer, patcher = load_reward_scorer(path, services)
@@ -352,6 +386,7 @@ def load_prompt_embedding(path: str, index: int) -> tuple[list, str]:
 
 
 def load_embeddings_node(embeddings_file: str, index: int, *, services: Services) -> tuple[list, str]:
+    check_model_name(embeddings_file, schema.EMBEDDINGS_FOLDERS)  # also under ComfyUI, whose own resolver may normalise the name
     path = services.resolve(schema.EMBEDDINGS_FOLDERS, embeddings_file)
     conditioning, prompt = load_prompt_embedding(path, index)
     device = services.intermediate_device()
@@ -585,6 +620,6 @@ def sampler_summary(report_json: str) -> str:
 __all__ = [
     "FPS", "SDVGModel", "SDVGRouter", "SamplerOutput", "Services", "build_router", "clear_reward_cache",
     "combo_options", "context_from_conditioning", "geometry_problem", "load_embeddings_node", "load_model_node",
-    "load_prompt_embedding", "load_reward_scorer", "load_sdvg_model", "needed_inputs", "resolve_devices", "run_sampler",
+    "load_prompt_embedding", "load_reward_scorer", "check_model_name", "load_sdvg_model", "needed_inputs", "resolve_devices", "run_sampler",
     "sampler_summary", "score_plot", "streaming_vae",
 ]
