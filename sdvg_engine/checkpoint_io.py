@@ -42,6 +42,8 @@ def _require_file(path: Path, what: str, hint: str) -> None:
         raise FileNotFoundError(f"{what} not found: {path}" + (f". {hint}" if hint else ""))
     if path.is_dir():
         raise CheckpointError(f"{path}: is a folder, expected a {what} file" + (f". {hint}" if hint else ""))
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file (a pipe, socket or device); save the {what} to a file first")
     try:
         size = path.stat().st_size
         with open(path, "rb"):

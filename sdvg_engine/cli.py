@@ -328,7 +328,7 @@ def _check_writable_folder(folder: Path, flag: str, shown) -> None:
     if not probe.is_dir():
         raise UsageError(f"{flag} {shown}: {probe} is a file, not a folder; choose another path")
     try:
-        with tempfile.TemporaryFile(dir=probe):
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".sdvg-write-test-"):
             pass
     except OSError as e:
         raise UsageError(f"{flag} {shown}: cannot write in {probe} ({e.strerror or e}); choose a writable folder") from None
@@ -716,10 +716,17 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
 
 
 # ---- parser ---------------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``sdvg generate: error: argument --tau: ...``), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .pipeline import MODES
 
-    parser = argparse.ArgumentParser(prog="sdvg", description="Speculative decoding for autoregressive video diffusion")
+    parser = _Parser(prog="sdvg", description="Speculative decoding for autoregressive video diffusion")
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure (anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -786,7 +793,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = join_negative_values([a for a in argv if a != "--debug"])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a one-line usage error (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
     try:
         validate_args(args)
         return args.func(args)

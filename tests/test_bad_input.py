@@ -1,0 +1,406 @@
+"""Bad input never costs a user's files, a raw traceback or a wasted model load (issue #17).
+
+One table of careless-user cases over the ``sdvg`` CLI (in process through ``main()``, plus a few through a
+real subprocess) and one over the Python API / node logic. Every CLI case asserts the exit status, that
+stderr is exactly one line naming the culprit, that there is no traceback, and that no existing file
+changed (a hash of every file under the case folder before and after). Cases refused by argument checks
+must also be refused before any model loads: they run with ``--vae`` pointing at a FIFO, which the loader
+refuses with its own message ("not a regular file"), so a case that reached a loader would name the FIFO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from sdvg_engine.checkpoint_io import CheckpointError
+from sdvg_engine.cli import build_parser, join_negative_values, main
+from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, write_checkpoint_files
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- files --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = write_checkpoint_files(tmp_path_factory.mktemp("good"))
+    bad = root / "bad"
+    bad.mkdir()
+    drafter = (root / "drafter.safetensors").read_bytes()
+    (bad / "truncated.safetensors").write_bytes(drafter[: len(drafter) // 2])
+    (bad / "empty.safetensors").write_bytes(b"")
+    (bad / "random.pt").write_bytes(os.urandom(4096))
+    (bad / "reward_truncated.safetensors").write_bytes((root / "ImageReward.safetensors").read_bytes()[:5000])
+    state = load_file(str(root / "drafter.safetensors"))
+    with safe_open(str(root / "drafter.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    ints = dict(state)
+    ints["blocks.0.attn1.to_q.weight"] = ints["blocks.0.attn1.to_q.weight"].to(torch.int32)
+    save_file(ints, str(bad / "int_weights.safetensors"), metadata=meta)
+    missing = {k: v for k, v in state.items() if k != "blocks.1.ffn.net.2.weight"}
+    save_file(missing, str(bad / "missing_key.safetensors"), metadata=meta)
+    shaped = dict(state)
+    shaped["blocks.0.attn1.to_v.bias"] = torch.zeros(7)
+    save_file(shaped, str(bad / "wrong_shape.safetensors"), metadata=meta)
+    save_file(state, str(bad / "broken_meta.safetensors"), metadata={"sdvg.config": "{not json"})
+    config = json.loads(meta["sdvg.config"])
+    save_file(state, str(bad / "negative_heads.safetensors"),
+              metadata={"sdvg.config": json.dumps(dict(config, num_attention_heads=-2))})
+    bare = {k: v for k, v in state.items()}
+    save_file(bare, str(bad / "no_meta.safetensors"))  # width 256: heads inferred as 2
+    # prompt-embeddings files
+    from sdvg_engine.text_encoder import EMBEDDINGS_FORMAT
+
+    nan = prompt_embeds(1).clone()
+    nan[0, 2, 5] = float("nan")
+    save_file({"context.0": nan}, str(bad / "nan_context.safetensors"),
+              metadata={"format": EMBEDDINGS_FORMAT, "prompts": json.dumps(["a red ball"])})
+    save_file({"dummy": torch.zeros(1)}, str(bad / "zero_prompts.safetensors"),
+              metadata={"format": EMBEDDINGS_FORMAT, "prompts": "[]"})
+    save_file({"context.0": prompt_embeds(1).to(torch.int64)}, str(bad / "int_context.safetensors"),
+              metadata={"format": EMBEDDINGS_FORMAT, "prompts": json.dumps(["a red ball"])})
+    save_file({"context.0": prompt_embeds(1)}, str(bad / "empty_prompt.safetensors"),
+              metadata={"format": EMBEDDINGS_FORMAT, "prompts": json.dumps([""])})
+    embeds = (root / "embeds.safetensors").read_bytes()
+    (bad / "truncated_context.safetensors").write_bytes(embeds[:3000])
+    # something that must never be overwritten (the issue: a checkpoint replaced by a report)
+    (bad / "precious.safetensors").write_bytes(drafter)
+    (bad / "not_a_folder").write_text("a file")
+    (bad / "tokenizer").mkdir()
+    os.mkfifo(bad / "hang.fifo")  # the VAE loader refuses it by name: proves a case was refused before loading
+    return root
+
+
+def _digest(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_fifo():
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        elif p.is_dir():
+            out[str(p.relative_to(root)) + "/"] = "dir"
+    return out
+
+
+def _gen(files, *extra, vae=None, out=None):
+    """A generate command line; ``vae=None`` -> the FIFO (any model load would hang)."""
+    return ["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+            "--vae", str(vae or files / "bad" / "hang.fifo"), "--reward", str(files / "ImageReward.safetensors"),
+            "--context-file", str(files / "embeds.safetensors"), "--frames", "21", "--width", str(WIDTH),
+            "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu", "--format", "webp",
+            "--out", str(out or files / "out_unused"), *extra]
+
+
+def _bench(files, *extra):
+    line = _gen(files)
+    cut = line.index("--format")
+    return ["bench", *line[1:cut], *extra]
+
+
+def _models(files, **over):
+    """A generate line with real models (for cases refused while loading), every role overridable."""
+    roles = {"drafter": files / "drafter.safetensors", "target": files / "target.safetensors", "vae": files / "vae",
+             "reward": files / "ImageReward.safetensors", "context-file": files / "embeds.safetensors"}
+    roles.update({k.replace("_", "-"): v for k, v in over.items()})
+    line = ["generate"]
+    for k, v in roles.items():
+        line += [f"--{k}", str(v)]
+    return line + ["--frames", "21", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
+                   "--format", "webp", "--out", str(files / "out_unused")]
+
+
+B = "bad"
+# id -> (argv builder, exit code, substrings the one-line message must contain)
+CLI_CASES = {
+    # ---- arguments, refused before any load (the VAE is a FIFO) ----
+    "width-not-16": (lambda f: _gen(f, "--width", "50"), ["--width 50", "multiple of 16", "48 or 64"]),
+    "width-absurd": (lambda f: _gen(f, "--width", "100000"), ["--width 100000", "at most 4096"]),
+    "height-zero": (lambda f: _gen(f, "--height", "0"), ["--height 0", "multiple of 16"]),
+    "frames-not-12n-3": (lambda f: _gen(f, "--frames", "20"), ["--frames 20", "use 9 or 21"]),
+    "frames-over-cache": (lambda f: _gen(f, "--frames", "93", "--drafter-context", "global_cache"),
+                          ["--frames 93", "--max-frames 21"]),
+    "tau-nan": (lambda f: _gen(f, "--tau", "nan"), ["argument --tau", "NaN"]),
+    "tau-word": (lambda f: _gen(f, "--tau", "high"), ["argument --tau", "'high' is not a number"]),
+    "random-p": (lambda f: _gen(f, "--mode", "random", "--random-p", "1.5"), ["--random-p 1.5", "[0, 1]"]),
+    "refine-0": (lambda f: _gen(f, "--refine-from-step", "0"), ["--refine-from-step 0", "1..3"]),
+    "refine-9": (lambda f: _gen(f, "--refine-from-step", "9"), ["--refine-from-step 9"]),
+    "seed-negative": (lambda f: _gen(f, "--seed", "-1"), ["--seed -1", "non-negative"]),
+    "cascade-mean": (lambda f: _gen(f, "--cascade", "--aggregation", "mean"), ["--cascade", "--aggregation min"]),
+    "temporal-inf": (lambda f: _gen(f, "--temporal-weight", "inf"), ["argument --temporal-weight", "finite"]),
+    "bias-global": (lambda f: _gen(f, "--attention-bias", "0.3", "--target-context", "global_cache"),
+                    ["--attention-bias 0.3", "recompute-window", "--target-context"]),
+    "bias-range": (lambda f: _gen(f, "--attention-bias", "2"), ["--attention-bias 2.0", "(0, 1]"]),
+    "device-missing": (lambda f: _gen(f, "--device", "cuda:99"), ["--device cuda:99"]),
+    "device-word": (lambda f: _gen(f, "--device", "gpu0"), ["--device gpu0", "cpu, cuda or cuda:N"]),
+    "dtype": (lambda f: _gen(f, "--dtype", "fp64"), ["--dtype fp64", "bf16"]),
+    "drafter-missing": (lambda f: _gen(f, "--drafter", str(f / "nope.pt")), ["--drafter", "nope.pt", "not found"]),
+    "sdvg-no-reward": (lambda f: [a for a in _gen(f) if a not in ("--reward", str(f / "ImageReward.safetensors"))],
+                       ["--reward", "mode 'sdvg' needs --reward"]),
+    "sdvg-empty-prompt": (lambda f: _gen(f, "--context-file", str(f / B / "empty_prompt.safetensors")),
+                          ["empty_prompt.safetensors", "prompt 0 is empty"]),
+    "prompt-not-in-context": (lambda f: _gen(f, "--prompt", "a green cone"), ["--context-file", "a green cone"]),
+    # ---- context files (read before any model) ----
+    "context-nan": (lambda f: _gen(f, "--context-file", str(f / B / "nan_context.safetensors")),
+                    ["nan_context.safetensors", "'context.0'", "1 NaN"]),
+    "context-zero-prompts": (lambda f: _gen(f, "--context-file", str(f / B / "zero_prompts.safetensors")),
+                             ["zero_prompts.safetensors", "zero prompts"]),
+    "context-int": (lambda f: _gen(f, "--context-file", str(f / B / "int_context.safetensors")),
+                    ["int_context.safetensors", "'context.0'", "int64"]),
+    "context-truncated": (lambda f: _gen(f, "--context-file", str(f / B / "truncated_context.safetensors")),
+                          ["truncated_context.safetensors", "truncated or corrupt"]),
+    # ---- output paths (checked before any model; nothing existing may change) ----
+    "out-is-file": (lambda f: _gen(f, out=f / B / "precious.safetensors"), ["--out", "precious.safetensors", "is a file"]),
+    "out-read-only": (lambda f: _gen(f, out=Path("/sys/sdvg_out")), ["--out /sys/sdvg_out", "cannot write in /sys"]),
+    "out-used": (lambda f: _gen(f, out=f / "used_out"), ["--out", "video_001.webp", "--overwrite"]),
+    "report-folder": (lambda f: _gen(f, "--report", str(f / B)), ["--report", "is a folder"]),
+    "report-existing": (lambda f: _gen(f, "--report", str(f / B / "precious.safetensors")),
+                        ["--report", "precious.safetensors", "already exists", "--overwrite"]),
+    "report-under-file": (lambda f: _gen(f, "--report", str(f / B / "not_a_folder" / "r.json")),
+                          ["--report", "not_a_folder is a file"]),
+    # ---- model files, refused by the shared reader while loading ----
+    "drafter-truncated": (lambda f: _models(f, drafter=f / B / "truncated.safetensors"),
+                          ["truncated.safetensors", "truncated or corrupt", "download it again"]),
+    "drafter-empty": (lambda f: _models(f, drafter=f / B / "empty.safetensors"), ["empty.safetensors", "empty (0 bytes)"]),
+    "drafter-random": (lambda f: _models(f, drafter=f / B / "random.pt"), ["random.pt"]),
+    "drafter-vae-folder": (lambda f: _models(f, drafter=f / "vae"), ["vae", "AutoencoderKLWan", "not a Wan transformer"]),
+    "drafter-int": (lambda f: _models(f, drafter=f / B / "int_weights.safetensors"),
+                    ["int_weights.safetensors", "'blocks.0.attn1.to_q.weight'", "int32", "not floating point"]),
+    "drafter-broken-meta": (lambda f: _models(f, drafter=f / B / "broken_meta.safetensors"),
+                            ["broken_meta.safetensors", "'sdvg.config'", "not valid JSON"]),
+    "target-missing-key": (lambda f: _models(f, target=f / B / "missing_key.safetensors"),
+                           ["missing_key.safetensors", "blocks.1.ffn.net.2.weight"]),
+    "reward-truncated": (lambda f: _models(f, reward=f / B / "reward_truncated.safetensors"),
+                         ["reward_truncated.safetensors", "truncated or corrupt"]),
+    "vae-truncated": (lambda f: _models(f, vae=f / B / "truncated.safetensors"), ["truncated.safetensors"]),
+    "vae-is-dit": (lambda f: _models(f, vae=f / "drafter.safetensors"), ["drafter.safetensors", "not a Wan VAE"]),
+    # ---- inspect: fails exactly when a load would ----
+    "inspect-empty": (lambda f: ["inspect", str(f / B / "empty.safetensors")], ["empty.safetensors", "empty (0 bytes)"]),
+    "inspect-truncated": (lambda f: ["inspect", str(f / B / "truncated.safetensors")], ["truncated.safetensors"]),
+    "inspect-random": (lambda f: ["inspect", str(f / B / "random.pt")], ["random.pt"]),
+    "inspect-missing-key": (lambda f: ["inspect", str(f / B / "missing_key.safetensors")], ["blocks.1.ffn.net.2.weight"]),
+    "inspect-wrong-shape": (lambda f: ["inspect", str(f / B / "wrong_shape.safetensors")],
+                            ["'blocks.0.attn1.to_v.bias'", "(7,)"]),
+    "inspect-negative-heads": (lambda f: ["inspect", str(f / B / "negative_heads.safetensors")],
+                               ["num_attention_heads", "-2", "--num-heads"]),
+    "inspect-int": (lambda f: ["inspect", str(f / B / "int_weights.safetensors")], ["not floating point"]),
+    "inspect-heads-0": (lambda f: ["inspect", "--num-heads", "0", str(f / "drafter.safetensors")], ["--num-heads 0"]),
+    "inspect-heads-3": (lambda f: ["inspect", "--num-heads", "3", str(f / B / "no_meta.safetensors")],
+                        ["not divisible by 3 heads", "--num-heads"]),
+    # ---- encode-prompts ----
+    "encode-out-exists": (lambda f: ["encode-prompts", "--text-encoder", str(f / "drafter.safetensors"), "--tokenizer",
+                                     str(f / B / "tokenizer"), "--prompt", "x", "--out", str(f / B / "precious.safetensors")],
+                          ["--out", "precious.safetensors", "already exists", "--overwrite"]),
+    "encode-odd-encoder": (lambda f: ["encode-prompts", "--text-encoder", str(f / "drafter.safetensors"), "--tokenizer",
+                                      str(f / B / "tokenizer"), "--prompt", "x", "--out", str(f / "new.safetensors")],
+                           ["drafter.safetensors", "not a UMT5/T5 encoder"]),
+    "encode-no-prompt": (lambda f: ["encode-prompts", "--text-encoder", str(f / "drafter.safetensors"), "--prompt", " ",
+                                    "--out", str(f / "new.safetensors")], ["--prompt", "no (non-empty) prompts"]),
+    # ---- bench (all checked before anything runs) ----
+    "bench-mode": (lambda f: _bench(f, "--modes", "sdvg,bogus", "--out", str(f / "b.jsonl")),
+                   ["--modes", "unknown mode 'bogus'"]),
+    "bench-tau-nan": (lambda f: _bench(f, "--taus", "-0.7,nan", "--out", str(f / "b.jsonl")),
+                      ["--taus", "'nan'", "NaN"]),
+    "bench-out-folder": (lambda f: _bench(f, "--out", str(f / B)), ["--out", "is a folder"]),
+    "bench-broken-results": (lambda f: _bench(f, "--out", str(f / "broken.jsonl")),
+                             ["broken.jsonl:2", "not a JSON results line"]),
+    "bench-results-binary": (lambda f: _bench(f, "--out", str(f / B / "precious.safetensors")),
+                             ["precious.safetensors", "not a JSONL results file"]),
+}
+
+
+@pytest.fixture(scope="module")
+def prepared(files):
+    used = files / "used_out"
+    used.mkdir(exist_ok=True)
+    (used / "video_001.webp").write_bytes(b"earlier run")
+    (files / "broken.jsonl").write_text('{"prompt": "a", "seed": 1, "mode": "sdvg", "tau": 0}\n{"prompt": \n'
+                                        '{"prompt": "b", "seed": 2, "mode": "sdvg", "tau": 0}\n')
+    return files
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_cli_bad_input(case, prepared, capsys):
+    build, needles = CLI_CASES[case]
+    if case == "out-read-only" and (not Path("/sys").is_dir() or os.access("/sys", os.W_OK) and os.geteuid() != 0):
+        pytest.skip("needs a read-only /sys")
+    argv = build(prepared)
+    before = _digest(prepared)
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"sdvg {argv[0]}: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert _digest(prepared) == before  # no existing file changed, nothing new left behind
+    assert not (prepared / "out_unused").exists()
+
+
+def test_argument_checks_run_before_any_load(prepared, capsys):
+    """The FIFO VAE: a valid line reaches the VAE loader and fails there naming it; the argument cases of the
+    table fail with their own message (asserted above), so none of them reached a loader."""
+    assert main(_gen(prepared, out=prepared / "fifo_run")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"sdvg generate: error: {prepared / B / 'hang.fifo'}: not a regular file (a pipe, socket or device); " \
+                  "save the Wan VAE checkpoint to a file first"
+    assert not (prepared / "fifo_run").exists()  # the out folder is created only once the models are loaded
+    for case, (build, needles) in CLI_CASES.items():
+        if "--vae" in build(prepared) and str(prepared / B / "hang.fifo") in build(prepared):
+            assert not any("hang.fifo" in n for n in needles), case
+
+
+def test_tau_accepts_signed_infinities():
+    parser = build_parser()
+    for argv, want in ((["--tau", "-inf"], -math.inf), (["--tau=-inf"], -math.inf), (["--tau", "inf"], math.inf),
+                       (["--tau", "-1e3"], -1000.0)):
+        args = parser.parse_args(join_negative_values(["generate", "--drafter", "d", "--target", "t", "--vae", "v", *argv]))
+        assert args.tau == want
+    args = parser.parse_args(join_negative_values(["bench", "--drafter", "d", "--target", "t", "--vae", "v", "--reward",
+                                                   "r", "--taus", "-0.7,-inf"]))
+    assert args.taus == "-0.7,-inf"
+
+
+def test_overwrite_replaces_the_whole_earlier_set(prepared, tmp_path, capsys):
+    """--overwrite into a folder with a larger earlier run: the new set replaces it, stale files go (never a mix)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("video_000.webp", "video_001.webp", "video_002.webp", "mask_002.png", "report.json"):
+        (out / name).write_bytes(b"old")
+    (out / "notes.txt").write_text("mine")
+    code = main(_gen(prepared, "--mode", "target_only", "--overwrite", vae=prepared / "vae", out=out))
+    assert code == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "mask_001.png", "notes.txt", "report.json",
+                                                     "video_000.webp", "video_001.webp"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "video_000.webp").read_bytes()[:4] == b"RIFF"
+    assert len(json.loads((out / "report.json").read_text())) == 2
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
+
+
+def test_subprocess_errors_are_one_line_with_status_2(prepared):
+    """Through the real entry point: status 2, one line, no traceback; ``--debug`` shows the traceback."""
+    argv = [sys.executable, "-m", "sdvg_engine.cli", "inspect", str(prepared / B / "truncated.safetensors")]
+    plain = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=120)
+    assert plain.returncode == 2
+    assert plain.stdout == ""
+    assert plain.stderr.count("\n") == 1 and "truncated.safetensors" in plain.stderr and "Traceback" not in plain.stderr
+    debug = subprocess.run(argv + ["--debug"], capture_output=True, text=True, cwd=REPO, env=_env(), timeout=120)
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
+
+
+_SIGINT_WHILE_LOADING = """
+import os, signal, sys
+import sdvg_engine.models.loading as loading
+from sdvg_engine.cli import main
+
+real = loading.read_tensor_file
+
+def read_then_interrupt(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while the drafter file is being read
+    return real(*args, **kwargs)
+
+loading.read_tensor_file = read_then_interrupt
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_subprocess_ctrl_c_while_loading_exits_130(prepared):
+    """SIGINT while a model is loading (after the VAE, inside the drafter read): 130, one line, no traceback,
+    and no output folder left behind."""
+    out = prepared / "sigint_out"
+    argv = [sys.executable, "-c", _SIGINT_WHILE_LOADING, *_models(prepared)]
+    argv[argv.index(str(prepared / "out_unused"))] = str(out)
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=180)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "sdvg generate: interrupted (Ctrl-C); no output was left half-written"
+    assert not out.exists()
+
+
+# ---- the Python API and the node logic ------------------------------------------------------------------------
+def _api_cases(f: Path):
+    from nodes.logic import Services, check_model_name
+    from sdvg_engine.models.loading import inspect_checkpoint, load_causal_wan
+    from sdvg_engine.reward import load_image_reward
+    from sdvg_engine.text_encoder import load_prompt_embeddings
+    from sdvg_engine.vae import load_wan_vae
+
+    services = Services({"diffusion_models": [str(f)]})
+    return {
+        "load-truncated": (lambda: load_causal_wan(f / B / "truncated.safetensors"), CheckpointError,
+                           ["truncated.safetensors", "truncated or corrupt"]),
+        "load-int": (lambda: load_causal_wan(f / B / "int_weights.safetensors"), CheckpointError,
+                     ["'blocks.0.attn1.to_q.weight'", "int32"]),
+        "inspect-missing-key": (lambda: inspect_checkpoint(f / B / "missing_key.safetensors"), CheckpointError,
+                                ["blocks.1.ffn.net.2.weight"]),
+        "inspect-num-heads-0": (lambda: inspect_checkpoint(f / "drafter.safetensors", num_heads=0), CheckpointError,
+                                ["num_heads (--num-heads)"]),
+        "vae-truncated": (lambda: load_wan_vae(f / B / "truncated.safetensors"), CheckpointError, ["truncated.safetensors"]),
+        "vae-empty": (lambda: load_wan_vae(f / B / "empty.safetensors"), CheckpointError, ["empty (0 bytes)"]),
+        "reward-truncated": (lambda: load_image_reward(f / B / "reward_truncated.safetensors"), CheckpointError,
+                             ["reward_truncated.safetensors"]),
+        "reward-random": (lambda: load_image_reward(f / B / "random.pt"), CheckpointError, ["random.pt"]),
+        "embeddings-nan": (lambda: load_prompt_embeddings(f / B / "nan_context.safetensors"), CheckpointError,
+                           ["'context.0'", "NaN"]),
+        "embeddings-zero": (lambda: load_prompt_embeddings(f / B / "zero_prompts.safetensors"), CheckpointError,
+                            ["zero prompts"]),
+        "node-name-dotdot": (lambda: services.resolve(["diffusion_models"], "../good0/drafter.safetensors"), ValueError,
+                             ["contains '..'"]),
+        "node-name-absolute": (lambda: services.resolve(["diffusion_models"], str(f / "drafter.safetensors")), ValueError,
+                               ["absolute path"]),
+        "node-name-windows": (lambda: check_model_name("C:\\models\\x.safetensors"), ValueError, ["absolute path"]),
+        "node-name-backslash-dotdot": (lambda: check_model_name("sub\\..\\..\\x.pt"), ValueError, ["contains '..'"]),
+        "node-name-empty": (lambda: check_model_name(""), ValueError, ["empty"]),
+    }
+
+
+API_IDS = ["load-truncated", "load-int", "inspect-missing-key", "inspect-num-heads-0", "vae-truncated", "vae-empty",
+           "reward-truncated", "reward-random", "embeddings-nan", "embeddings-zero", "node-name-dotdot",
+           "node-name-absolute", "node-name-windows", "node-name-backslash-dotdot", "node-name-empty"]
+
+
+@pytest.mark.parametrize("case", API_IDS)
+def test_api_bad_input(case, prepared):
+    call, error, needles = _api_cases(prepared)[case]
+    before = _digest(prepared)
+    with pytest.raises(error) as info:
+        call()
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    assert _digest(prepared) == before
+
+
+def test_node_names_inside_the_folders_still_resolve(prepared):
+    from nodes.logic import Services
+
+    services = Services({"diffusion_models": [str(prepared)]})
+    assert services.resolve(["diffusion_models"], "bad/truncated.safetensors") == os.path.join(
+        str(prepared), "bad/truncated.safetensors")
+
+
+def test_write_video_never_replaces_without_overwrite(tmp_path):
+    from sdvg_engine.video_io import write_video
+
+    target = tmp_path / "v.webp"
+    target.write_bytes(b"keep me")
+    frames = torch.rand(3, 16, 16, 3)
+    with pytest.raises(FileExistsError, match="v.webp already exists"):
+        write_video(frames, target, overwrite=False)
+    assert target.read_bytes() == b"keep me"
+    write_video(frames, target)
+    assert target.read_bytes()[:4] == b"RIFF" and sorted(p.name for p in tmp_path.iterdir()) == ["v.webp"]
