@@ -102,9 +102,18 @@ def _read_pickle(path: Path) -> object:
 
 def _pickle_error(path: Path, e: Exception) -> CheckpointError:
     return CheckpointError(
-        f"{path}: cannot be read as a PyTorch checkpoint with weights_only=True ({type(e).__name__}: {str(e)[:300]}); "
+        f"{path}: cannot be read as a PyTorch checkpoint with weights_only=True ({type(e).__name__}: {_first_line(e)}); "
         f"the file may be truncated or corrupt ({_RECOPY}), or it holds Python objects (convert it to safetensors)"
     )
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    # torch's weights_only failures wrap the culprit ("Unsupported operand 86", "Unsupported global: ...")
+    # in generic paragraphs; keep the culprit line.
+    if lines and lines[0].startswith("Weights only load failed"):
+        lines = [ln for ln in lines if not ln.startswith(("Weights only", "Please file", "Check the documentation"))] or lines
+    return (lines[0] if lines else "")[:200]
 
 
 def read_tensor_file(path: str | os.PathLike, *, what: str = "checkpoint", hint: str = "",

@@ -201,7 +201,8 @@ def _check_refine(args):
     k = args.refine_from_step
     most = max(s.num_steps for s in SCHEDULES.values()) - 1
     if k is not None and not 1 <= k <= most:
-        return f"must be a drafter step in 1..{most} (1..3 for the 4-step Self-Forcing drafter; 3 is the reference's best)"
+        return (f"must be a drafter step k with 1 <= k < the drafter's steps: 1..3 for the 4-step Self-Forcing drafter "
+                f"(at most {most} for any schedule; 3 is the reference's best)")
     return None
 
 

@@ -105,7 +105,7 @@ def _read_diffusers_folder(path: Path) -> tuple[dict, dict]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
     if config.get("_class_name", "WanTransformer3DModel") not in ("WanTransformer3DModel", "CausalWanTransformer3DModel"):
-        raise CheckpointError(f"{path}: config.json describes a {config['_class_name']}, not a Wan transformer; {_DIT_HINT}")
+        raise CheckpointError(f"{path}: config.json describes {config['_class_name']}, not a Wan transformer; {_DIT_HINT}")
     return tensors, {META_CONFIG: json.dumps(config)}
 
 
