@@ -2,8 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from sdvg_engine.cli import main
 from sdvg_engine.text_encoder import load_prompt_embeddings
@@ -44,9 +46,22 @@ def test_generate_writes_videos_masks_and_report(files, tmp_path, mode, capsys):
                  "--format", "webp", "--out", str(out)])
     assert code == 0
     assert (out / "video_000.webp").stat().st_size > 0 and (out / "video_001.webp").exists()
-    assert (out / "mask_000.png").exists()
     reports = json.loads((out / "report.json").read_text())
     assert len(reports) == 2 and reports[0]["settings"]["mode"] == mode and reports[0]["num_blocks"] == 2
+    for i, report in enumerate(reports):
+        # The mask strip recomputed from the report: 6 px per frame, green for kept drafts, grey for target frames.
+        with Image.open(out / f"mask_{i:03d}.png") as im:
+            strip = np.asarray(im.convert("RGB"))
+        expected = np.zeros((24, 21 * 6, 3), dtype=np.uint8)
+        for block in report["blocks"]:
+            first, end = block["video_frames"]
+            colour = (60, 200, 90) if block["source"] == "draft" else (110, 110, 110)
+            expected[:, first * 6 : end * 6] = colour
+        assert np.array_equal(strip, expected), i
+        with Image.open(out / f"video_{i:03d}.webp") as im:
+            assert (im.size, im.n_frames) == ((WIDTH, HEIGHT), 21)
+    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "mask_001.png", "report.json", "video_000.webp",
+                                                     "video_001.webp"]  # no temporary files left
     err = capsys.readouterr().err
     assert "block 2/2" in err
     if mode == "sdvg":
@@ -66,3 +81,17 @@ def test_generate_rejects_bad_frame_count(files, tmp_path, capsys):
                  "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--frames", "20",
                  "--mode", "target_only", "--device", "cpu", "--out", str(tmp_path)])
     assert code == 2 and "whole blocks" in capsys.readouterr().err
+
+
+def test_generate_tau_minus_inf_keeps_every_draft(files, tmp_path):
+    """``--tau -inf`` (no ``=``) parses and accepts every draft after the forced first block."""
+    out = tmp_path / "out"
+    code = main(["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+                 "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--prompt", "a red ball",
+                 "--reward", str(files / "ImageReward.safetensors"), "--tau", "-inf", "--frames", "33",
+                 "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
+                 "--format", "webp", "--out", str(out), "--report", str(tmp_path / "r.json")])
+    assert code == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["decisions"] == ["target", "draft", "draft"] and report["settings"]["tau"] == "-inf"
+    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "video_000.webp"]

@@ -21,7 +21,11 @@ from node_fixtures import (  # noqa: E402
     DRAFTER_FILE, EMBEDDINGS_FILE, PROMPTS, REWARD_FILE, TARGET_FILE, FakeComfyVAE, write_reward_with_heads_metadata,
     write_tiny_models,
 )
+from sdvg_engine.context import make_context_scheme  # noqa: E402
+from sdvg_engine.generator import CausalGenerator  # noqa: E402
 from sdvg_engine.models.loading import Fp8Linear  # noqa: E402
+from sdvg_engine.pipeline import SDVGOptions, SpeculativePipeline  # noqa: E402
+from sdvg_engine.router import RewardRouter  # noqa: E402
 from sdvg_engine.vae import StreamingWanVAE  # noqa: E402
 
 W, H = 48, 32
@@ -191,6 +195,31 @@ def test_random_mode_and_loop_options(stack, services):
     report = json.loads(out.report)
     assert report["settings"]["refine_from_step"] == 2 and report["settings"]["cascade"] is True
     assert report["decisions"] == ["target", "target"]
+    # The options reach the engine: the same run through the engine directly gives the same latents; the
+    # target ran 4 steps for block 0 and only the last 2 for the rejected draft; cascade scored 4 of 12 frames.
+    reference = _engine_run(stack, services, router, num_frames=21,
+                            options=SDVGOptions(refine_from_step=2, cascade=True))
+    assert torch.equal(out.result.latents, reference.latents)
+    assert report["model_calls"]["target"]["denoise"] == 4 + 2
+    assert report["blocks"][1]["decision"]["frames_scored"] == 4
+    full = sample(stack, router, services, length=21)
+    assert json.loads(full.report)["model_calls"]["target"]["denoise"] == 4 + 4
+    assert not torch.equal(full.result.latents[:, :, 3:], out.result.latents[:, :, 3:])
+
+
+def _engine_run(stack, services, router, *, num_frames, options, drafter=None, target=None):
+    """The same generation through the engine directly (no node logic): the reference for the node tests."""
+    drafter, target = drafter or stack["drafter"], target or stack["target"]
+    stream, _ = logic.streaming_vae(stack["vae"], services)
+
+    def generator(m):
+        return CausalGenerator(m.model, schedule=m.schedule, name=m.role,
+                               context=make_context_scheme(m.context_scheme, max_frames=21))
+
+    pipe = SpeculativePipeline(generator(drafter), generator(target), stream,
+                               None if router is None else RewardRouter(router.scorer, tau=router.tau))
+    return pipe.generate(stack["positive"][0][0], prompt=stack["prompt"], num_frames=num_frames, width=W, height=H,
+                         seed=7, options=options)
 
 
 def test_interrupt_propagates_and_the_next_run_works(stack, services):
@@ -269,6 +298,16 @@ def test_long_video_with_recompute_window_models(services, stack):
     drafter = logic.load_model_node(DRAFTER_FILE, "fp32", "cpu", "recompute_window", role="drafter", services=services)
     out = sample(stack, None, services, drafter=drafter, mode="draft_only", length=93)
     assert out.frames.shape[0] == 93 and out.mask.eq(1.0).all()
+    # Values: the engine run with a recompute-window drafter gives the same video ...
+    reference = _engine_run(stack, services, None, num_frames=93, options=SDVGOptions(mode="draft_only"),
+                            drafter=drafter, target=drafter)
+    assert torch.equal(out.result.latents, reference.latents)
+    # ... whose first two blocks equal the global-cache drafter's (the window still holds all of block 0),
+    # and whose later blocks do not (the window forgets; the anchor is re-encoded).
+    short = sample(stack, None, services, mode="draft_only", length=21)
+    assert (out.result.latents[:, :, :6] - short.result.latents).abs().max().item() <= 1e-5
+    longer = sample(stack, None, services, mode="draft_only", length=45)
+    assert (out.result.latents[:, :, 6:12] - longer.result.latents[:, :, 6:12]).abs().max().item() > 1e-4
 
 
 def test_vae_conversion_matches_comfy_weights(services):
@@ -297,6 +336,32 @@ def test_combo_options(services):
     assert logic.combo_options(schema.REWARD_ROUTER.input("reward_model"), services) == [REWARD_FILE]
     assert logic.combo_options(schema.LOAD_DRAFTER.input("device"), services)[:2] == ["auto", "cpu"]
     assert logic.combo_options(schema.SAMPLER.input("mode"), services) == list(schema.MODES)
+
+
+def test_score_plot_places_markers_at_the_scores():
+    """Marker colours at the positions recomputed from the documented layout (plot box 56..624 x 28..324,
+    one column per block, scores and tau spanning the y range with 10% padding)."""
+    scores = {1: (-0.8, True), 2: (-1.6, False), 3: (-0.2, True)}
+    blocks = [{"index": 0, "source": "target", "decision": None}]
+    blocks += [{"index": i, "source": "draft" if kept else "target", "decision": {"block_score": v, "accept": kept}}
+               for i, (v, kept) in scores.items()]
+    tau = -1.0
+    plot = logic.score_plot({"settings": {"mode": "sdvg", "tau": tau}, "blocks": blocks})
+    pixels = (plot[0] * 255).round().to(torch.int16)
+    left, right, top, bottom = 56, 640 - 16, 28, 360 - 36
+    lo, hi = -1.6, -0.2
+    lo, hi = lo - 0.1 * (hi - lo), hi + 0.1 * (hi - lo)
+
+    def at(x, y):
+        return pixels[int(round(y)), int(round(x))].tolist()
+
+    for i, (v, kept) in scores.items():
+        x = left + (i + 0.5) * (right - left) / 4
+        y = bottom - (v - lo) / (hi - lo) * (bottom - top)
+        assert at(x, y) == ([30, 160, 60] if kept else [210, 40, 40]), (i, v)
+    assert at(left + 0.5 * (right - left) / 4, bottom - 4) == [150, 150, 150]  # block 0: not scored
+    y_tau = bottom - (tau - lo) / (hi - lo) * (bottom - top)
+    assert at((left + right) / 2, y_tau) == [40, 90, 220]  # the threshold line
 
 
 def test_score_plot_edge_cases():

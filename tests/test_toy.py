@@ -83,9 +83,21 @@ def test_short_demo_run(tmp_path):
         assert im.size == (128, 128) and getattr(im, "n_frames", 1) == 45
     for m in report["findings"]["router_vs_random_at_matched_acceptance"]:
         assert m["matched"] == (abs(m["random_acceptance"] - m["acceptance"]) <= demo.MATCH_TOLERANCE)
-    assert report["findings"]["router_beats_random"] in (None, True, False)
-    pairs = [m for m in report["findings"]["router_vs_random_at_matched_acceptance"] if m["matched"] and 0 < m["acceptance"] < 1]
+    # The verdict recomputed from the configs themselves (not from the findings' own matched list).
+    configs = {c["name"]: c for c in report["configs"]}
+    pairs = []
+    for c in report["configs"]:
+        if c["mode"] != "sdvg":
+            continue
+        r = configs.get(f"random p={c['acceptance']:.2f}")
+        if r is not None and 0 < c["acceptance"] < 1 and abs(r["acceptance"] - c["acceptance"]) <= demo.MATCH_TOLERANCE:
+            pairs.append(c["quality"] - r["quality"])
     assert report["findings"]["router_vs_random_pairs"] == len(pairs)
+    if pairs:
+        assert report["findings"]["router_vs_random_margin"] == pytest.approx(sum(pairs) / len(pairs))
+        assert report["findings"]["router_beats_random"] is (sum(pairs) / len(pairs) > 0)
+    else:
+        assert report["findings"]["router_vs_random_margin"] is None and report["findings"]["router_beats_random"] is None
     loaded = json.loads((tmp_path / "report.json").read_text())
     assert loaded["findings"]["target_quality"] == pytest.approx(report["findings"]["target_quality"])
 
