@@ -47,9 +47,11 @@ def test_bench_writes_lines_summary_and_plot_then_resumes(files, tmp_path, capsy
     assert len(_rows(out)) == 6
 
     lines = out.read_text().splitlines()
-    out.write_text("\n".join(lines[:4]) + "\n")  # as if interrupted after 4 videos
+    out.write_text("\n".join(lines[:4]) + "\n" + lines[4][:37])  # killed while writing the 5th line
     assert main(_args(files, out)) == 0
-    assert "ran 2 videos, skipped 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"warning: {out}:5: dropping a torn last line (37 characters" in err
+    assert "ran 2 videos, skipped 4" in err
     def content(rows):  # everything but the timings is deterministic
         return sorted(json.dumps([r["prompt"], r["mode"], r["tau"], r["decisions"], r["draft_scores"], r["reward_mean"]])
                       for r in rows)
@@ -77,3 +79,28 @@ def test_two_ranks_under_torchrun(files, tmp_path):
     assert len({bench.run_key(r["prompt"], r["seed"], r["mode"], r["tau"]) for r in rows}) == 6
     assert "rank 0/2: ran 3 videos" in proc.stderr and "rank 1/2: ran 3 videos" in proc.stderr
     assert not list(tmp_path.glob("dist.rank*.jsonl"))  # shards merged and removed
+
+
+def test_read_rows_torn_and_broken_lines(tmp_path):
+    good = [{"prompt": "a", "seed": 1, "mode": "sdvg", "tau": -0.7}, {"prompt": "b", "seed": 2, "mode": "random", "tau": None}]
+    path = tmp_path / "r.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    path.write_text(text + '{"prompt": "c", "se')
+    warnings = []
+    assert bench.read_rows(path, log=warnings.append) == good
+    assert warnings == [f"warning: {path}:3: dropping a torn last line (19 characters, Unterminated string starting at: "
+                        "line 1 column 17 (char 16)); that run will be redone"]
+    assert path.read_text() == text  # cut, so that appended lines stay valid JSONL
+    path.write_text(json.dumps(good[0]) + "\n{oops\n" + json.dumps(good[1]) + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: not a JSON results line"):
+        bench.read_rows(path)
+    path.write_text('{"prompt": "a"}\n')
+    with pytest.raises(ValueError, match=rf"{path}:1: a results line needs the keys"):
+        bench.read_rows(path)
+
+
+def test_unknown_mode_is_refused_before_any_run():
+    with pytest.raises(ValueError, match="unknown mode 'sdvgg'"):
+        bench.runs_for(["p"], [-0.7], ["target_only", "sdvgg"], seed=0)
+    with pytest.raises(ValueError, match="NaN"):
+        bench.runs_for(["p"], [float("nan")], ["sdvg"], seed=0)
