@@ -95,3 +95,22 @@ def test_generate_tau_minus_inf_keeps_every_draft(files, tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["decisions"] == ["target", "draft", "draft"] and report["settings"]["tau"] == "-inf"
     assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "video_000.webp"]
+
+
+def test_inspect_validates_vae_and_reward_like_their_loaders(files, tmp_path, capsys):
+    assert main(["inspect", str(files / "vae")]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "kind:           Wan VAE (z_dim 16, base_dim 8)"
+    assert main(["inspect", "--json", str(files / "ImageReward.safetensors")]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"].startswith("ImageReward reward model (")
+    # A reward file the loader refuses: inspect refuses it too, with the loader's message.
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(files / "ImageReward.safetensors"))
+    with safe_open(str(files / "ImageReward.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    del state["mlp.layers.0.weight"]
+    save_file(state, str(tmp_path / "reward_missing.safetensors"), metadata=meta)
+    assert main(["inspect", str(tmp_path / "reward_missing.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "reward_missing.safetensors: not an ImageReward-v1.0-compatible state dict" in err and "mlp.layers.0.weight" in err

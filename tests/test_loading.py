@@ -212,3 +212,32 @@ def test_comfyui_fp8_scaled_file_is_dequantized_per_tensor(source, reference_out
     x, expected = reference_output
     err = (_output(model, x) - expected).abs().max().item()
     assert 0 < err < 0.1 * expected.abs().max().item()
+
+
+def test_inspect_fails_exactly_when_a_load_fails(source, tmp_path):
+    """``inspect_checkpoint`` (what ``sdvg inspect`` runs) and ``load_causal_wan`` share one reader and one set of checks."""
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    meta = {"sdvg.config": json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in source.config.items()})}
+    cases = {
+        "ok": (state, meta),
+        "missing": ({k: v for k, v in state.items() if k != "proj_out.bias"}, meta),
+        "shape": ({**state, "proj_out.bias": torch.zeros(3)}, meta),
+        "ints": ({**state, "proj_out.bias": state["proj_out.bias"].to(torch.int16)}, meta),
+        "meta": (state, {"sdvg.config": "[1, 2"}),
+        "heads": (state, {"sdvg.config": json.dumps({**json.loads(meta["sdvg.config"]), "num_attention_heads": 0})}),
+        "scheme": (state, {**meta, "sdvg.context_scheme": "sliding"}),
+    }
+    for name, (tensors, metadata) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path), metadata=metadata)
+        outcomes = []
+        for fn in (inspect_checkpoint, lambda p: load_causal_wan(p, dtype=torch.float32)):
+            try:
+                fn(path)
+                outcomes.append(None)
+            except CheckpointError as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1], name
+        assert (outcomes[0] is None) == (name == "ok"), (name, outcomes[0])
+        if name != "ok":
+            assert outcomes[0].startswith(f"{path}: "), outcomes[0]
