@@ -168,10 +168,37 @@ def _check_frames(args):
     except ValueError as e:
         return str(e).replace(f"num_frames={args.frames} ", "")
     capacity = args.max_frames
-    if "global_cache" in (args.drafter_context, args.target_context) and latent > capacity:
-        return (f"needs {latent} latent frames but the global KV cache holds --max-frames {capacity}; "
-                f"raise --max-frames or use --drafter-context/--target-context recompute_window")
+    for role in ("drafter", "target"):
+        scheme = getattr(args, f"{role}_context")
+        if scheme == "auto":
+            scheme = peek_context_scheme(getattr(args, role))
+        if scheme == "global_cache" and latent > capacity:
+            return (f"needs {latent} latent frames but the {role}'s global KV cache holds --max-frames {capacity}; "
+                    f"raise --max-frames or use --{role}-context recompute_window")
     return None
+
+
+def peek_context_scheme(path) -> str | None:
+    """The context scheme a ``.safetensors`` checkpoint was trained with, from its header alone (no tensor is
+    read); ``None`` when that cannot be told cheaply (pickles, folders, unreadable files: the loader decides)."""
+    from .models.loading import META_CONTEXT
+
+    if path is None or not str(path).endswith(".safetensors") or not Path(path).is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            scheme = (f.metadata() or {}).get(META_CONTEXT)
+            if scheme:
+                return scheme
+            key = next((k for k in f.keys() if k.endswith("patch_embedding.weight")), None)
+            if key is None:
+                return None
+            width = f.get_slice(key).get_shape()[0]
+    except Exception:  # noqa: BLE001 - a header we cannot read is the loader's to report, with its message
+        return None
+    return "recompute_window" if width == 5120 else "global_cache"
 
 
 @arg_check("--max-frames")
