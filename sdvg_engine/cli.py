@@ -740,7 +740,6 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
     p.add_argument("--target-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
     p.add_argument("--attention-bias", type=finite_float, default=None, help="Scope's KV bias for recompute-window models (0.3)")
     p.add_argument("--max-frames", type=int, default=21, help="global-cache capacity in latent frames")
-    p.add_argument("--overwrite", action="store_true", help="replace existing output files (never done otherwise)")
 
 
 # ---- parser ---------------------------------------------------------------------------------------------------
@@ -788,6 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("mp4", "webp"), default=None)
     p.add_argument("--report", default=None, help="report JSON path (default OUT/report.json; an existing file is kept "
                                                   "unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run's files in --out (and an existing --report); never done otherwise")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="prompts x tau values x modes -> resumable JSONL, summary table, Pareto plot "
@@ -837,7 +838,9 @@ def main(argv=None) -> int:
         return 130
     except torch.OutOfMemoryError as err:
         if debug:
-            raise
+            import traceback
+
+            traceback.print_exc()
         _print_err(f"sdvg {args.command}: error: out of memory ({_one_line(err)[:200]}); lower --width/--height/--frames, "
                    "use --fp8-target, or put the drafter/VAE on another device (--drafter-device/--aux-device)")
         return 2
