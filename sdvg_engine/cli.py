@@ -171,11 +171,29 @@ def _check_frames(args):
     for role in ("drafter", "target"):
         scheme = getattr(args, f"{role}_context")
         if scheme == "auto":
-            scheme = peek_context_scheme(getattr(args, role))
+            scheme = _auto_context_scheme(args, role)
         if scheme == "global_cache" and latent > capacity:
             return (f"needs {latent} latent frames but the {role}'s global KV cache holds --max-frames {capacity}; "
                     f"raise --max-frames or use --{role}-context recompute_window")
     return None
+
+
+def _auto_context_scheme(args, role: str) -> str | None:
+    """What ``--<role>-context auto`` will mean: the preset's scheme when a ``--preset`` sets one (main's
+    :mod:`sdvg_engine.presets`), else the checkpoint's own (read from a safetensors header); ``None`` = unknown."""
+    preset = getattr(args, "preset", None)
+    if preset is not None:
+        try:
+            from . import presets
+        except ImportError:
+            return None
+        try:
+            scheme = presets.recipe(preset, role).context_scheme
+        except ValueError:
+            return None  # a bad preset has its own check
+        if scheme != presets.CHECKPOINT:
+            return scheme
+    return peek_context_scheme(getattr(args, role))
 
 
 def peek_context_scheme(path) -> str | None:
@@ -228,8 +246,8 @@ def _check_refine(args):
     k = args.refine_from_step
     most = max(s.num_steps for s in SCHEDULES.values()) - 1
     if k is not None and not 1 <= k <= most:
-        return (f"must be a drafter step k with 1 <= k < the drafter's steps: 1..3 for the 4-step Self-Forcing drafter "
-                f"(at most {most} for any schedule; 3 is the reference's best)")
+        return (f"must be a drafter step k with 1 <= k < the drafter's steps: 1..3 for the 4-step Self-Forcing "
+                f"schedule, 1..{most} for Krea's 5-step one (3 is the reference's best)")
     return None
 
 

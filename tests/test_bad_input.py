@@ -135,7 +135,7 @@ CLI_CASES = {
     "tau-nan": (lambda f: _gen(f, "--tau", "nan"), ["argument --tau", "NaN"]),
     "tau-word": (lambda f: _gen(f, "--tau", "high"), ["argument --tau", "'high' is not a number"]),
     "random-p": (lambda f: _gen(f, "--mode", "random", "--random-p", "1.5"), ["--random-p 1.5", "[0, 1]"]),
-    "refine-0": (lambda f: _gen(f, "--refine-from-step", "0"), ["--refine-from-step 0", "1..3 for the 4-step Self-Forcing drafter"]),
+    "refine-0": (lambda f: _gen(f, "--refine-from-step", "0"), ["--refine-from-step 0", "1..3 for the 4-step Self-Forcing schedule"]),
     "refine-9": (lambda f: _gen(f, "--refine-from-step", "9"), ["--refine-from-step 9"]),
     "seed-negative": (lambda f: _gen(f, "--seed", "-1"), ["--seed -1", "non-negative"]),
     "cascade-mean": (lambda f: _gen(f, "--cascade", "--aggregation", "mean"), ["--cascade", "--aggregation min"]),
