@@ -38,6 +38,8 @@ class ContextScheme:
     """Interface shared by the two schemes; one instance belongs to one :class:`CausalGenerator`."""
 
     name: str
+    #: whether :meth:`commit` needs the block's decoded pixels (to re-encode an anchor frame later)
+    needs_pixels: bool = False
 
     def capacity_frames(self, frames_per_block: int) -> int:
         raise NotImplementedError
@@ -86,10 +88,11 @@ class GlobalCache(ContextScheme):
 
     def prepare(self, gen, block_index):
         fpb = gen.frames_per_block
-        for pending_index, latents in self.pending:
+        while self.pending:  # one at a time, so a call stopped halfway leaves only the unfinished commits queued
+            pending_index, latents = self.pending[0]
             gen.run_model("commit", latents, 0.0, pending_index * fpb)
             self.committed_frames = (pending_index + 1) * fpb
-        self.pending.clear()
+            self.pending.pop(0)
         if self.committed_frames != block_index * fpb:
             raise RuntimeError(
                 f"{gen.name}: block {block_index} needs {block_index * fpb} committed frames, cache has {self.committed_frames}"
@@ -113,6 +116,7 @@ class RecomputeWindow(ContextScheme):
     """
 
     name = "recompute_window"
+    needs_pixels = True
 
     def __init__(self, context_frames: int = 3, attention_bias: float | None = None, anchor_encoder: AnchorEncoder | None = None):
         if context_frames < 2:
