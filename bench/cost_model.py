@@ -533,7 +533,7 @@ def overlapped_time(times: dict, accepts: Sequence[bool], opts: ScheduleOptions,
             commit = max(decided, target_end)
             decoded = draft_decoded  # the VAE cache is rolled back; the target's block is decoded next
             pending = (commit, _at(times["decode"], b))
-    end = decoded
+    end = max(decoded, commit)  # an accepted last block is final when it is scored
     if pending is not None:
         _, end = W["decode"].run([(max(pending[0], decoded), pending[1])])
     if not detail:
