@@ -669,6 +669,18 @@ def _fmt_rate(r: float) -> str:
     return f"{r:.1%} (p={drafted_accept_prob(r):.3f})"
 
 
+def _print_speedups(rows: list[dict], rates: Sequence[float]) -> None:
+    print("| schedule | " + " | ".join(f"{r:.1%}" for r in rates)
+          + f" | video s at {rates[0]:.1%} | target-only s | GPU0 / GPU1 busy at {rates[0]:.1%} |")
+    print("|---|" + "---|" * (len(rates) + 3))
+    for row in rows:
+        res = row["results"]
+        busy = res[0].get("busy")
+        busy = " / ".join(f"{v / res[0]['seconds']:.0%}" for v in busy.values()) if busy else "-"
+        print(f"| {row['label']} | " + " | ".join(f"{x['speedup']:.2f}x" for x in res)
+              + f" | {res[0]['seconds']:.1f} | {res[0]['target_only_seconds']:.1f} | {busy} |")
+
+
 def print_tables(costs: dict[str, Cost], proj: dict, calib: dict, calib_measured: dict, efficiency: dict,
                  calib_fitted: dict, fitted: Efficiency) -> None:
     gpus = list(proj)
@@ -696,12 +708,7 @@ def print_tables(costs: dict[str, Cost], proj: dict, calib: dict, calib_measured
     for g in gpus:
         print(f"\n## Projected speedup vs target-only on the same workers, {GPUS[g].name} ({proj[g]['rows'][0]['results'][0]['blocks']} blocks)\n")
         print("Paper acceptance (per drafted block p = 9a/8): " + " / ".join(_fmt_rate(r) for r in rates) + "\n")
-        print("| schedule | " + " | ".join(f"{r:.1%}" for r in rates) + " | video s at 73.1% | target-only s |")
-        print("|---|" + "---|" * (len(rates) + 2))
-        for row in proj[g]["rows"]:
-            res = row["results"]
-            print(f"| {row['label']} | " + " | ".join(f"{x['speedup']:.2f}x" for x in res)
-                  + f" | {res[0]['seconds']:.1f} | {res[0]['target_only_seconds']:.1f} |")
+        _print_speedups(proj[g]["rows"], rates)
     print("\n## Calibration: schedule (a) on 2x A6000 vs the paper (measured)\n")
     print("| | " + " | ".join(f"{r:.1%}" for r in rates) + " |\n|---|" + "---|" * len(rates))
     for key, label in (("sdvg", "SDVG"), ("hybrid+cascade", "hybrid k=3 (+ cascade in the paper)")):
@@ -731,6 +738,48 @@ def _parse_mfu(items: Sequence[str]) -> dict[str, Efficiency]:
     return out
 
 
+def project_times(times: dict, *, blocks: int, draft_steps: int = 4, target_steps: int = 5,
+                  rates: Sequence[float] = PAPER_RATES, sequences: int = 1000, seed: int = 0,
+                  paper_convention: bool = True) -> list[dict]:
+    """Speedup rows for (b) sequential and (c) overlapped, with and without hybrid k=3, from given seconds.
+
+    ``rates`` are in the paper's convention (block 0 counted as a reject) unless ``paper_convention=False``, in which
+    case they are already per drafted block."""
+    rows = []
+    for k in (None, 3):
+        for sched, tag in (("sequential", "(b) sequential"), ("overlapped", "(c) overlapped 2 workers")):
+            opts = ScheduleOptions(blocks=blocks, draft_steps=draft_steps, target_steps=target_steps, hybrid_k=k)
+            res = [simulate_schedule(times, drafted_accept_prob(r, blocks) if paper_convention else r, sched,
+                                     opts=opts, sequences=sequences, seed=seed) for r in rates]
+            rows.append({"label": tag + ("" if k is None else ", hybrid k=3"), "schedule": sched, "hybrid_k": k,
+                         "results": res})
+    return rows
+
+
+def _project_measured(args) -> dict:
+    path = Path(args.times)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--times {path}: cannot read a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"--times {path}: expected a JSON object with keys {sorted(CLASS_OF)}")
+    steps = {k: int(data.pop(k)) for k in ("draft_steps", "target_steps") if k in data}
+    try:
+        rows = project_times(data, blocks=args.blocks, rates=args.rates, sequences=args.sequences, seed=args.seed,
+                             paper_convention=not args.rates_per_drafted, **steps)
+    except ValueError as e:
+        raise SystemExit(f"--times {path}: {e}") from None
+    result = {"times": data, **steps, "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        conv = "per drafted block" if args.rates_per_drafted else f"paper convention, p = {args.blocks}a/{args.blocks - 1}"
+        print(f"## Projected speedup vs target-only on the same workers, from {path} ({args.blocks} blocks; rates {conv})\n")
+        _print_speedups(rows, args.rates)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of markdown tables")
@@ -739,7 +788,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--mfu", nargs="*", default=[], metavar="CLASS=F", help="override the MFU of dit / vae / reward")
     p.add_argument("--sequences", type=int, default=1000, help="Bernoulli accept sequences per point")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--times", default=None, metavar="FILE",
+                   help="skip the roofline: project the schedules from a JSON of per-component seconds "
+                        "(draft_call, draft_context, target_call, target_context, decode, score; each a number or a "
+                        "per-block list; optional draft_steps, target_steps), e.g. measured on the toy world")
+    p.add_argument("--rates", nargs="+", type=float, default=list(PAPER_RATES),
+                   help="acceptance rates in the paper's convention (block 0 counted as a reject); only with --times")
+    p.add_argument("--rates-per-drafted", action="store_true",
+                   help="--rates are already per drafted block (as the engine's report counts them)")
     args = p.parse_args(argv)
+    if args.times:
+        return _project_measured(args)
     if args.blocks < 2:
         raise SystemExit(f"--blocks must be at least 2 (block 0 is the target's), got {args.blocks}")
     torch.set_num_threads(1)

@@ -145,3 +145,19 @@ def test_cli_json(capsys):
     assert all(len(r["results"]) == 4 and r["results"][0]["speedup"] > 1.0 for r in rows)
     paper = printed["calibration"]["derived"]["target-only video s"][1]
     assert paper == 97.0
+
+
+def test_cli_projects_given_times(tmp_path, capsys):
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps(TIMES))
+    result = cm.main(["--times", str(path), "--blocks", "3", "--rates", "0", "1", "--rates-per-drafted",
+                      "--sequences", "5", "--json"])
+    assert json.loads(capsys.readouterr().out)["rows"] == result["rows"]
+    speedups = {r["label"]: [x["speedup"] for x in r["results"]] for r in result["rows"]}
+    # Hand values from the tests above: overlapped 68 / 68 s and 68 / 36 s; sequential: target-only 72 s against
+    # all rejected 22 + 2 x (7 + 25) = 86 s and all accepted 22 + 2 x 7 = 36 s.
+    assert speedups["(c) overlapped 2 workers"] == [1.0, 68.0 / 36.0]
+    assert speedups["(b) sequential"] == [72.0 / 86.0, 2.0]
+    path.write_text(json.dumps({"draft_call": 1.0}))
+    with pytest.raises(SystemExit, match=r"times.json: times is missing \['draft_context', 'target_call'"):
+        cm.main(["--times", str(path), "--blocks", "3"])
