@@ -436,31 +436,34 @@ class _Worker:
 
     def __init__(self):
         self.free = 0.0
-        self.busy = 0.0
-        self._last: tuple[float, list[tuple[float, float]]] | None = None
+        self.spans: list[tuple[float, float]] = []
+        self._last: tuple[float, int] | None = None
 
     def run(self, calls: Sequence[tuple[float, float]]) -> tuple[float, float]:
         """Issue a task; returns (start of its first call, end of its last)."""
-        before, spans, t = self.free, [], self.free
+        before, first, t = self.free, len(self.spans), self.free
         for ready, seconds in calls:
             start = max(t, ready)
             t = start + seconds
-            spans.append((start, t))
+            self.spans.append((start, t))
         self.free = t
-        self.busy += sum(e - s for s, e in spans)
-        self._last = (before, spans)
-        return (spans[0][0], t) if spans else (before, before)
+        self._last = (before, first)
+        return (self.spans[first][0], t) if calls else (before, before)
 
     def abort_last(self, at: float) -> float:
         """Drop the last issued task at time ``at``: a call under way finishes, later ones never start.
 
         Returns the seconds of its work that ran and were thrown away."""
-        before, spans = self._last
-        ran = [(s, e) for s, e in spans if s < at]
+        before, first = self._last
+        ran = [(s, e) for s, e in self.spans[first:] if s < at]
+        del self.spans[first + len(ran):]
         self.free = ran[-1][1] if ran else before
-        self.busy -= sum(e - s for s, e in spans[len(ran):])
         self._last = None
         return sum(e - s for s, e in ran)
+
+    def busy_until(self, end: float) -> float:
+        """Seconds of work done before ``end`` (work still under way when the video is done is cut off)."""
+        return sum(max(0.0, min(e, end) - s) for s, e in self.spans)
 
 
 def overlapped_time(times: dict, accepts: Sequence[bool], opts: ScheduleOptions, *, detail: bool = False):
@@ -479,7 +482,8 @@ def overlapped_time(times: dict, accepts: Sequence[bool], opts: ScheduleOptions,
       speculative there.
 
     Block 0 is the target's; its decode runs on the VAE's worker. The video is done when the last committed block
-    is decoded. Returns the seconds, and with ``detail`` also per-worker busy seconds and the dropped seconds.
+    is decoded. Returns the seconds, and with ``detail`` also per-worker busy seconds (until the video is done) and
+    the seconds of dropped speculative work.
     """
     place = opts.placement
     if any(place[k] == place["target"] for k in ("draft", "decode", "score")):
@@ -538,7 +542,7 @@ def overlapped_time(times: dict, accepts: Sequence[bool], opts: ScheduleOptions,
         _, end = W["decode"].run([(max(pending[0], decoded), pending[1])])
     if not detail:
         return end
-    return end, {"busy": {n: w.busy for n, w in workers.items()}, "dropped": dropped}
+    return end, {"busy": {n: w.busy_until(end) for n, w in workers.items()}, "dropped": dropped}
 
 
 def accept_sequences(accept_rate: float, blocks: int, sequences: int, seed: int = 0) -> list[list[bool]]:
