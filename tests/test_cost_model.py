@@ -44,6 +44,17 @@ def test_real_size_meta_count_equals_closed_form_for_both_models():
     assert cm.dit_call_cost(cm.DRAFTER, 6).bytes > cm.dit_call_cost(cm.DRAFTER, 3).bytes
 
 
+def test_byte_counter_counts_inputs_and_outputs_and_fused_attention():
+    with torch.device("meta"):
+        x, w, b = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(16)
+        q = k = v = torch.zeros(1, 2, 10, 8)
+    # addmm reads bias, input and weight (the transpose is a view) and writes a 4x16 output, all float32.
+    assert cm.count_cost(lambda: torch.nn.functional.linear(x, w, b)) == cm.Cost(2 * 4 * 8 * 16, (16 + 32 + 128 + 64) * 4)
+    # Attention is one fused kernel: q, k, v in, one output; the scores matrix is never materialised.
+    cost = cm.count_cost(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert cost == cm.Cost(2 * 2 * (2 * 10 * 10 * 8), 4 * 160 * 4)
+
+
 def test_roofline_takes_the_slower_of_compute_and_memory():
     gpu = cm.GPU("test", bf16_tflops=100.0, mem_gbps=1000.0)
     eff = cm.Efficiency(mfu=0.5, bw=0.5)
