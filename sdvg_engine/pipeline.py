@@ -17,6 +17,8 @@ the target nothing until the target next has to generate.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import sys
 import time
@@ -31,6 +33,7 @@ from .generator import BlockSample, CausalGenerator
 from .report import BlockRecord, ComponentTimer, Lap, build_report
 from .router import RandomRouter, RewardRouter, RouteDecision, TauState
 from .sampling import NoiseSource, SeededNoise
+from .memo import Recording, RecordedBlock, ReplayMemo, _cpu, plan_replay
 from .workers import COMPONENTS, Workers, plan_lanes, wait
 
 MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random")
@@ -145,6 +148,8 @@ class SpeculativePipeline:
         self.preset: str | None = None
         #: default worker layout of a run (see :func:`sdvg_engine.workers.plan_lanes`); ``generate(workers=)`` overrides
         self.workers: int | str = "auto"
+        #: a :class:`ReplayMemo` to reuse earlier runs that differ only in tau (``None``: off)
+        self.memo: ReplayMemo | None = None
         self._check_compatible()
         # A recompute-window model re-encodes its anchor frame with the pipeline's VAE.
         for gen in (drafter, target):
@@ -184,12 +189,13 @@ class SpeculativePipeline:
         run = self._begin(prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call,
                           tau_state, self.workers if workers is None else workers)
         with run.workers:
+            yield from self._replay(run)  # the blocks an earlier run made with the same inputs and decisions
             previous = None
-            for b in range(run.num_blocks):
+            for b in range(run.first_block, run.num_blocks):
                 if self._target_generates(opts, b):
                     block = self._target_block(run, b, drafted=False)
                 else:
-                    draft = run.submit("drafter", self.drafter.generate_block, b, run.noise)
+                    draft = run.submit("drafter", self._draft, run, b)
                     decoded = run.submit("vae", self._snapshot_and_decode, run, draft)
                     fallback = self._speculate_target(run, b, draft)  # regenerates beside the verification
                     if previous is not None:
@@ -206,7 +212,8 @@ class SpeculativePipeline:
                 if previous is not None:
                     yield self._finish_block(run, previous)
                 previous = block
-            yield self._finish_block(run, previous)
+            if previous is not None:  # None when every block was replayed
+                yield self._finish_block(run, previous)
             run.workers.finish()
 
     def generate(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
@@ -248,6 +255,9 @@ class SpeculativePipeline:
     def _target_generates(opts: SDVGOptions, b: int) -> bool:
         return opts.mode == "target_only" or (b == 0 and opts.force_first_block and opts.mode != "draft_only")
 
+    def _draft(self, run, b) -> BlockSample:
+        return self._timed(run, "drafter", lambda: self.drafter.generate_block(b, run.noise))
+
     def _target_sample(self, run, b, draft):
         """The target's block ``b``: from the block's noise, or (hybrid) from the drafter's state after k steps."""
         refine = run.options.refine_from_step
@@ -277,7 +287,7 @@ class SpeculativePipeline:
         """Decode a block: ``(pixels, lap)``; the :class:`Lap` is what an all-target run would pay for this block too."""
         with self._measure(run, "vae") as lap:
             pixels = self.vae.decode_block(sample.latents)
-        return None, pixels, lap
+        return None, pixels, lap, self.vae.snapshot()
 
     def _snapshot_and_decode(self, run, sample: BlockSample):
         """Decode a draft, keeping the VAE state from before it, to roll back to on reject."""
@@ -325,20 +335,23 @@ class SpeculativePipeline:
     def _commit(self, run, b, sample, decoded, *, source, drafted, decision) -> "_Block":
         """Make block ``b`` context for both models (on their own workers) and queue what the next draft's seam
         term needs; the frames are collected by :meth:`_finish_block`."""
+        contexts = {}
         for gen in run.active:
             pixels = decoded if gen.context.needs_pixels else None
-            run.submit(gen.name, self._commit_to, gen, b, sample, pixels)
+            contexts[gen.name] = run.submit(gen.name, self._commit_to, gen, b, sample, pixels)
         if source == "draft" and run.draft_features is not None:
             run.previous_features = run.draft_features
         elif run.prompt_features is not None and self.router.temporal_weight != 0.0:
             # The next draft's seam term needs this block's last frame (scored only in sdvg mode).
             run.previous_features = run.submit("reward", self._seam_features, run, decoded)
         run.draft_features = None
-        return _Block(index=b, source=source, drafted=drafted, decision=decision, sample=sample, decoded=decoded)
+        return _Block(index=b, source=source, drafted=drafted, decision=decision, sample=sample, decoded=decoded,
+                      contexts_after=contexts, previous_features_after=run.previous_features)
 
     @staticmethod
-    def _commit_to(gen, b, sample, decoded) -> None:
+    def _commit_to(gen, b, sample, decoded) -> tuple:
         gen.commit_block(b, sample.latents, None if decoded is None else decoded[1])
+        return gen.context.snapshot()  # the state a replay restores to resume after this block
 
     def _seam_features(self, run, decoded):
         last = unit_frames(decoded[1][:, :, -1:])
@@ -347,7 +360,7 @@ class SpeculativePipeline:
     def _finish_block(self, run, block: "_Block") -> BlockRecord:
         """Wait for a committed block's frames and record it (in block order)."""
         sample = run.workers.result(block.sample) if isinstance(block.sample, Future) else block.sample
-        _, pixels, lap = run.workers.result(block.decoded)
+        _, pixels, lap, vae_after = run.workers.result(block.decoded)
         if not torch.isfinite(sample.latents).all() or not torch.isfinite(pixels).all():
             model = "drafter" if block.source == "draft" else "target"
             raise NonFiniteOutputError(
@@ -369,7 +382,45 @@ class SpeculativePipeline:
         record.seconds = {k: v - run.block_seconds.get(k, 0.0) for k, v in now.items() if v - run.block_seconds.get(k, 0.0) > 0}
         run.block_seconds = dict(now)
         run.records.append(record)
+        if run.recording is not None:
+            run.recording.blocks.append(RecordedBlock(
+                index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
+                latents=run.latents[-1], pixels=_cpu(pixels), vae_after=_cpu(vae_after),
+                contexts_after={name: _cpu(run.workers.result(f)) for name, f in block.contexts_after.items()},
+                previous_features_after=_cpu(run.workers.result(block.previous_features_after)
+                                             if isinstance(block.previous_features_after, Future) else block.previous_features_after),
+                seconds=sum(record.seconds.values())))
         return record
+
+    # ---- replay ---------------------------------------------------------------------------------------
+    def _replay(self, run) -> Iterator[BlockRecord]:
+        """Restore the state after the last reusable block of an earlier run and yield its blocks' records."""
+        plan = run.replay_plan
+        if plan is None:
+            return
+        blocks = plan.recording.blocks[: plan.reuse]
+        last = blocks[-1]
+        for gen in run.active:
+            gen.context.restore(last.contexts_after[gen.name])
+        self.vae.restore(last.vae_after)
+        run.previous_features = last.previous_features_after
+        run.tau_state = plan.tau_state
+        fpb = self.target.frames_per_block
+        for block, decision in zip(blocks, plan.decisions):
+            frames = unit_frames(block.pixels).permute(0, 2, 3, 1)
+            f0 = run.video_frames
+            run.video_frames += frames.shape[0]
+            run.latents.append(block.latents)
+            run.mask.append(torch.full((frames.shape[0],), 1.0 if block.source == "draft" else 0.0))
+            run.frames.append(frames)
+            record = BlockRecord(index=block.index, source=block.source, drafted=block.drafted, decision=decision,
+                                 latent_frames=(block.index * fpb, (block.index + 1) * fpb),
+                                 video_frames=(f0, run.video_frames), frames=frames, replayed=True)
+            run.records.append(record)
+            run.replayed_seconds += block.seconds
+            if run.recording is not None:
+                run.recording.blocks.append(dataclasses.replace(block, decision=decision))
+            yield record
 
     def _timed(self, run, component: str, fn):
         """Run ``fn`` as one call of ``component`` (a cancel point), timed on that component's device."""
@@ -414,6 +465,9 @@ class SpeculativePipeline:
             self.target.step_index(self.drafter.schedule.timesteps[opts.refine_from_step])
         devices = {c: self._device(c) for c in COMPONENTS}
         lanes = plan_lanes(opts.mode, devices, workers)
+        memo_key = None
+        if self.memo is not None and noise is None:
+            memo_key = self._memo_key(prompt_embeds, prompt, num_frames, width, height, seed, opts, devices)
 
         run = _Run(options=opts, num_blocks=num_blocks, noise=noise or SeededNoise(seed), cancel=cancel,
                    before_call=before_call, prompt=prompt, seed=seed, width=width, height=height, num_frames=num_frames,
@@ -436,6 +490,10 @@ class SpeculativePipeline:
                 run.tau_state = tau_state if tau_state is not None else self.router.new_tau_state()
             if opts.mode == "random":
                 run.random_router = RandomRouter(opts.random_accept_prob, seed, key=prompt)
+            if memo_key is not None:
+                run.recording = Recording(memo_key)
+                run.replay_plan = plan_replay(self.memo.lookup(memo_key), self.router, opts, run.tau_state)
+                run.first_block = run.replay_plan.reuse if run.replay_plan is not None else 0
         except BaseException:
             run.workers.__exit__(*sys.exc_info())
             raise
@@ -469,6 +527,14 @@ class SpeculativePipeline:
         )
         report["tau_per_block"] = [None if b.decision is None or b.decision.tau is None else _json_number(b.decision.tau)
                                    for b in records]
+        stored = self.memo.store(run.recording) if run.recording is not None else False
+        report["replay"] = {
+            "enabled": run.recording is not None,
+            "replayed_blocks": run.first_block,
+            "seconds_saved": round(run.replayed_seconds, 6),
+            "kept_for_replay": stored,
+            "memo_bytes": self.memo.nbytes if self.memo is not None else 0,
+        }
         report["schedule"] = {
             "worker_busy_seconds": run.workers.busy_seconds(),
             "critical_path_seconds": round(wall, 6),
@@ -478,6 +544,21 @@ class SpeculativePipeline:
         }
         return SDVGResult(frames=torch.cat(run.frames), latents=torch.cat(run.latents, dim=2),
                           acceptance_mask=torch.cat(run.mask), blocks=records, report=report)
+
+    def _memo_key(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices) -> tuple:
+        """Every input of a run except the router's tau settings (tau, tau mode, target rate, prior) and the
+        workers, which do not change outputs."""
+        text = prompt_embeds.detach().float().cpu().contiguous()
+        options = asdict(opts)
+        models = tuple(_model_identity(g) for g in (self.drafter, self.target))
+        router = None
+        if self.router is not None:
+            router = tuple(sorted((k, str(v)) for k, v in self.router.settings().items()
+                                  if k not in ("tau", "tau_mode", "accept_rate", "prior_mean", "prior_std", "prior_count")))
+            router += (id(self.router.scorer),)
+        vae = (id(self.vae.vae) if hasattr(self.vae, "vae") else id(self.vae), str(getattr(self.vae, "dtype", "")))
+        return (hashlib.sha256(text.numpy().tobytes()).hexdigest(), tuple(text.shape), prompt, num_frames, width, height,
+                seed, tuple(sorted(options.items())), models, router, vae, tuple(sorted((k, str(v)) for k, v in devices.items())))
 
     def _target_only_seconds(self, num_blocks: int) -> float | None:
         """What the target's model calls of an all-target video would cost, from this run's per-call times.
@@ -506,7 +587,18 @@ class _Block:
     drafted: bool
     decision: RouteDecision | None
     sample: object  # BlockSample or a Future of one
-    decoded: object  # Future of (vae snapshot or None, pixels, decode Lap)
+    decoded: object  # Future of (VAE state before or None, pixels, decode Lap, VAE state after)
+    contexts_after: dict  # generator name -> Future of its context snapshot after this commit
+    previous_features_after: object  # seam features after this block (a tensor, None or a Future)
+
+
+def _model_identity(gen: CausalGenerator) -> tuple:
+    """Which weights, schedule and context a generator runs (in-place weight changes bump ``_version``)."""
+    params = list(gen.model.parameters())
+    weights = tuple((p.data_ptr(), p._version, str(p.dtype)) for p in (params[0], params[-1])) if params else ()
+    context = tuple(sorted((k, str(v)) for k, v in vars(gen.context).items() if isinstance(v, (int, float, str, type(None)))
+                           and k in ("max_frames", "context_frames", "attention_bias")))
+    return (id(gen.model), weights, gen.schedule.timesteps, gen.context.name, context, gen.frames_per_block)
 
 
 def _json_number(x: float):
@@ -527,6 +619,10 @@ class _Run:
         self.draft_features = None  # the scored draft's last-frame features, kept if it is accepted
         self.tau_state = None
         self.active = []
+        self.recording = None  # what a later run may replay (when the pipeline has a memo)
+        self.replay_plan = None
+        self.first_block = 0
+        self.replayed_seconds = 0.0
         self.block_seconds = {}
 
     def submit(self, component: str, fn, *args):

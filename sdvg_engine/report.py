@@ -118,6 +118,7 @@ class BlockRecord:
     frames: torch.Tensor | None = None
     seconds: dict = field(default_factory=dict)
     decode: Lap = field(default_factory=Lap)
+    replayed: bool = False  # taken from an earlier run with the same inputs (see sdvg_engine.memo)
 
     @property
     def decode_seconds(self) -> float:
@@ -127,7 +128,7 @@ class BlockRecord:
         d = {
             "index": self.index, "source": self.source, "drafted": self.drafted,
             "latent_frames": list(self.latent_frames), "video_frames": list(self.video_frames),
-            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()}, "replayed": self.replayed,
         }
         d["decision"] = None if self.decision is None else self.decision.to_dict()
         return d
