@@ -30,6 +30,9 @@ router rejects the block (a uint8 cast of NaN would otherwise give an arbitrary 
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -49,6 +52,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 CROP_MODES = ("center", "full")
 PREPROCESS_MODES = ("pil", "torch")
+_MAX_PIL_THREADS = 8
 
 
 def _check_mode(preprocess: str) -> None:
@@ -94,7 +98,8 @@ def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
     """
     if frames.dtype == torch.uint8:
         return frames
-    return frames.float().clamp(0.0, 1.0).mul(255.0).to(torch.uint8)
+    x = frames.float().clamp(0.0, 1.0)  # a new tensor: the in-place multiply below never touches the input
+    return x.mul_(255.0).to(torch.uint8)
 
 
 def pil_resize_crop(image: np.ndarray, size: int, *, crop: str = "center") -> np.ndarray:
@@ -125,7 +130,13 @@ def _nonfinite_frames(frames: torch.Tensor) -> torch.Tensor | None:
 
 def _preprocess_pil(frames, size, crop, device) -> torch.Tensor:
     u8 = frames_to_uint8(frames).permute(0, 2, 3, 1).contiguous().cpu().numpy()  # [N, H, W, 3]
-    crops = np.stack([pil_resize_crop(f, size, crop=crop) for f in u8])  # [N, S, S, 3] uint8
+    workers = min(len(u8), os.cpu_count() or 1, _MAX_PIL_THREADS)
+    if workers > 1:
+        # PIL releases the GIL while resampling: frames resize in parallel, results in order.
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            crops = np.stack(list(pool.map(lambda f: pil_resize_crop(f, size, crop=crop), u8)))
+    else:
+        crops = np.stack([pil_resize_crop(f, size, crop=crop) for f in u8])  # [N, S, S, 3] uint8
     # torchvision ToTensor: HWC -> CHW, float32 / 255; then Normalize.
     x = torch.from_numpy(crops).to(device=device).permute(0, 3, 1, 2).to(torch.float32).div(255.0)
     return _normalize(x)
