@@ -375,3 +375,24 @@ def test_router_node_builds_adaptive_router(tmp_path):
     assert (default.tau_mode, default.preprocess, default.block_tau(None)) == ("fixed", "pil", -0.7)
     with pytest.raises(ValueError, match="accept_rate must be in"):
         logic.build_router(REWARD_FILE, 0.0, "min", "center", 0.0, services=svc, tau_mode="accept_rate", accept_rate=1.0)
+
+
+def test_router_node_workflows_old_and_new_widget_counts():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from workflow_checks import ROOT, check_ui_workflow, ui_to_api
+
+    wf = json.loads((ROOT / "workflows" / "sdvg_text_to_video.json").read_text())
+    node = next(n for n in wf["nodes"] if n["type"] == "SDVGRewardRouter")
+    assert len(node["widgets_values"]) == 5  # saved before the optional inputs existed: still valid
+    assert check_ui_workflow(wf) == []
+    assert "tau_mode" not in ui_to_api(wf)[str(node["id"])]["inputs"]  # left to the node's default
+    node["widgets_values"] += ["accept_rate", 0.6, "torch"]  # as saved now
+    assert check_ui_workflow(wf) == []
+    assert ui_to_api(wf)[str(node["id"])]["inputs"]["preprocess"] == "torch"
+    node["widgets_values"][5] = "adaptive"
+    assert any("adaptive" in e for e in check_ui_workflow(wf))
+    node["widgets_values"] = node["widgets_values"][:6]  # part of the optional tail is fine too
+    node["widgets_values"][5] = "fixed"
+    assert check_ui_workflow(wf) == []
+    node["widgets_values"] = node["widgets_values"][:4]  # a required widget missing is not
+    assert any("widgets_values" in e for e in check_ui_workflow(wf))

@@ -93,8 +93,8 @@ class ImageRewardScorer:
         batch_size: max frames per forward (None = all frames of a call in one forward).
         preprocess: default frame preprocessing, "pil" (ImageReward-exact: 8-bit frames, PIL
             bicubic resize + centre crop, as the reference server scores them) or "torch"
-            (on-device antialiased bicubic on the float frames: faster, scores differ by a few
-            1e-3; see ``sdvg_engine.reward.preprocess``).
+            (on-device antialiased bicubic on the float frames: faster; scores differ by up to
+            ~1e-2, mostly from the 8-bit step; see ``sdvg_engine.reward.preprocess``).
         device, dtype: read from the model's parameters, so they stay right if the model is
             moved by someone else (e.g. a memory manager).
     """
