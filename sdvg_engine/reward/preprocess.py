@@ -17,7 +17,8 @@ Two paths (``preprocess=``):
 The resize runs on the CPU (PIL), so each call moves the frames to the host as uint8
 (a quarter of the float32 bytes); the 224x224 crops go back to the model's device.
 ``crop="full"`` in this path resizes the whole 8-bit frame to SxS with PIL bicubic (aspect
-ratio not kept, nothing cut off) and skips the crop.
+ratio not kept, nothing cut off) and skips the crop. The path is not differentiable (8-bit step, PIL);
+use ``"torch"`` where gradients must flow to the frames.
 
 ``"torch"``: the fast path, all on the model's device: torch antialiased bicubic on the float
 frames (no 8-bit step), the same geometry, clamp to [0, 1], normalise. Error against the PIL path
