@@ -14,8 +14,8 @@ class ForcedRouter(RewardRouter):
         super().__init__(scorer, tau=0.0)
         self.pattern, self.calls = list(pattern), 0
 
-    def judge(self, frames, prompt, *, previous_features=None):
-        decision, scores = super().judge(frames, prompt, previous_features=previous_features)
+    def judge(self, frames, prompt, *, previous_features=None, tau=None):
+        decision, scores = super().judge(frames, prompt, previous_features=previous_features, tau=tau)
         decision.accept = bool(self.pattern[self.calls % len(self.pattern)]) if self.pattern else False
         self.calls += 1
         return decision, scores

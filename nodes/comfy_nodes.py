@@ -143,9 +143,11 @@ class SDVGRewardRouter(io.ComfyNode):
         return build_schema(schema.REWARD_ROUTER)
 
     @classmethod
-    def execute(cls, reward_model, tau, aggregation, crop, temporal_weight) -> io.NodeOutput:
+    def execute(cls, reward_model, tau, aggregation, crop, temporal_weight, tau_mode="fixed", accept_rate=0.73,
+                preprocess="pil") -> io.NodeOutput:
         return io.NodeOutput(logic.build_router(reward_model, tau, aggregation, crop, temporal_weight,
-                                                services=ComfyServices()))
+                                                services=ComfyServices(), tau_mode=tau_mode, accept_rate=accept_rate,
+                                                preprocess=preprocess))
 
 
 class SDVGSpeculativeSampler(io.ComfyNode):

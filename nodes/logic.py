@@ -240,11 +240,15 @@ class SDVGRouter:
     aggregation: str
     crop: str
     temporal_weight: float
+    tau_mode: str = "fixed"
+    accept_rate: float = 0.73
+    preprocess: str = "pil"
 
     def new_router(self) -> RewardRouter:
         """A fresh router for one run; this object is never changed."""
         return RewardRouter(self.scorer, tau=self.tau, aggregation=self.aggregation, crop=self.crop,
-                            temporal_weight=self.temporal_weight)
+                            temporal_weight=self.temporal_weight, tau_mode=self.tau_mode,
+                            accept_rate=self.accept_rate, preprocess=self.preprocess)
 
 
 _reward_cache: "OrderedDict[tuple, tuple[ImageRewardScorer, Any]]" = OrderedDict()
@@ -283,14 +287,16 @@ def clear_reward_cache() -> None:
 
 
 def build_router(reward_model: str, tau: float, aggregation: str, crop: str, temporal_weight: float, *,
-                 services: Services) -> SDVGRouter:
+                 services: Services, tau_mode: str = "fixed", accept_rate: float = 0.73,
+                 preprocess: str = "pil") -> SDVGRouter:
     """The work of SDVGRewardRouter."""
     check_model_name(reward_model, schema.REWARD_FOLDERS)  # also under ComfyUI, whose own resolver may normalise the name
     path = services.resolve(schema.REWARD_FOLDERS, reward_model)
     # Validate the settings now (RewardRouter raises with a message), before the sampler runs.
     scorer, patcher = load_reward_scorer(path, services)
     router = SDVGRouter(scorer=scorer, patcher=patcher, path=path, tau=float(tau), aggregation=aggregation, crop=crop,
-                        temporal_weight=float(temporal_weight))
+                        temporal_weight=float(temporal_weight), tau_mode=tau_mode, accept_rate=float(accept_rate),
+                        preprocess=preprocess)
     router.new_router()
     return router
 

@@ -38,6 +38,8 @@ class ContextScheme:
     """Interface shared by the two schemes; one instance belongs to one :class:`CausalGenerator`."""
 
     name: str
+    #: whether :meth:`commit` needs the block's decoded pixels (to re-encode an anchor frame later)
+    needs_pixels: bool = False
 
     def capacity_frames(self, frames_per_block: int) -> int:
         raise NotImplementedError
@@ -54,6 +56,15 @@ class ContextScheme:
 
     def commit(self, gen: "CausalGenerator", block_index: int, latents: torch.Tensor, pixels: torch.Tensor | None) -> None:
         """Record the final latents (and decoded pixels) of ``block_index`` as context for what follows."""
+        raise NotImplementedError
+
+    def snapshot(self) -> tuple:
+        """What :meth:`restore` needs to bring this context back to now (tensor references, no copies)."""
+        raise NotImplementedError
+
+    def restore(self, state: tuple) -> None:
+        """Return to a :meth:`snapshot`. The KV cache is rebuilt lazily, before the model next generates, by the
+        same passes that built it, so what follows is bit-identical to a run that never left that point."""
         raise NotImplementedError
 
 
@@ -82,14 +93,26 @@ class GlobalCache(ContextScheme):
 
     def reset(self) -> None:
         self.pending: list[tuple[int, torch.Tensor]] = []
+        self.history: list[tuple[int, torch.Tensor]] = []  # every committed block, for snapshot()
         self.committed_frames = 0
+
+    def snapshot(self) -> tuple:
+        return tuple(self.history)
+
+    def restore(self, state: tuple) -> None:
+        # Every committed block's K/V comes from its t=0 commit pass over the blocks before it: queuing them all
+        # again rebuilds the cache exactly (one call per block, not the block's whole schedule).
+        self.reset()
+        self.history = list(state)
+        self.pending = list(state)
 
     def prepare(self, gen, block_index):
         fpb = gen.frames_per_block
-        for pending_index, latents in self.pending:
+        while self.pending:  # one at a time, so a call stopped halfway leaves only the unfinished commits queued
+            pending_index, latents = self.pending[0]
             gen.run_model("commit", latents, 0.0, pending_index * fpb)
             self.committed_frames = (pending_index + 1) * fpb
-        self.pending.clear()
+            self.pending.pop(0)
         if self.committed_frames != block_index * fpb:
             raise RuntimeError(
                 f"{gen.name}: block {block_index} needs {block_index * fpb} committed frames, cache has {self.committed_frames}"
@@ -98,6 +121,7 @@ class GlobalCache(ContextScheme):
 
     def commit(self, gen, block_index, latents, pixels):
         self.pending.append((block_index, latents))
+        self.history.append((block_index, latents))
 
 
 class RecomputeWindow(ContextScheme):
@@ -113,6 +137,7 @@ class RecomputeWindow(ContextScheme):
     """
 
     name = "recompute_window"
+    needs_pixels = True
 
     def __init__(self, context_frames: int = 3, attention_bias: float | None = None, anchor_encoder: AnchorEncoder | None = None):
         if context_frames < 2:
@@ -162,6 +187,17 @@ class RecomputeWindow(ContextScheme):
         if self.attention_bias is not None and self.attention_bias < 1.0 and self.context_len > 1:
             bias = ((1, self.context_len), math.log(self.attention_bias))
         return self.context_len, bias
+
+    def snapshot(self) -> tuple:
+        return tuple(self.latent_frames), tuple(self.pixel_frames), self.committed_frames
+
+    def restore(self, state: tuple) -> None:
+        latent_frames, pixel_frames, committed = state
+        self.reset()
+        self.latent_frames.extend(latent_frames)
+        self.pixel_frames.extend(pixel_frames)
+        self.committed_frames = committed
+        self.dirty = committed > 0  # rebuilt before the next block, as it was after this commit
 
     def commit(self, gen, block_index, latents, pixels):
         for f in range(latents.shape[2]):

@@ -56,6 +56,8 @@ class CausalGenerator:
         self.context = context if context is not None else GlobalCache()
         self.frames_per_block = frames_per_block
         self.name = name
+        #: where the context scheme and schedule came from ("explicit" / "preset" / "checkpoint"); see presets.py
+        self.settings_source: dict = {"preset": None, "context_scheme": "explicit", "schedule": "explicit"}
         self.kv_cache: KVCache | None = None
         self.text_kv: TextKV | None = None
         self._text_source: torch.Tensor | None = None

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from . import presets
 from .context import ContextScheme, make_context_scheme
 from .generator import CausalGenerator
 from .models.loading import CONTEXT_SCHEMES, load_causal_wan
@@ -26,7 +27,8 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloat16", device="cpu",
                    context_scheme: str = "auto", schedule: str = "auto", fp8: bool = False,
                    num_heads: int | None = None, max_frames: int = 21, attention_bias: float | None = None,
-                   anchor_encoder=None, fuse_qkv: bool = False, compile: bool = False) -> CausalGenerator:
+                   anchor_encoder=None, fuse_qkv: bool = False, compile: bool = False,
+                   preset: str | None = None) -> CausalGenerator:
     """Load a causal Wan checkpoint and wrap it as a :class:`CausalGenerator`.
 
     ``context_scheme="auto"`` takes the scheme the checkpoint was trained with (14B Krea: recompute
@@ -34,18 +36,62 @@ def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloa
     distilled for (``krea``'s 5 calls for the 14B, ``self_forcing``'s 4 otherwise). ``fuse_qkv``
     fuses the attention projections and ``compile`` wraps the block forward in ``torch.compile``
     (inference only; see ``bench/bench_speed.py`` for their effect).
+
+    ``preset`` (``"reference"`` / ``"native"``, see :mod:`sdvg_engine.presets`; ``name`` must then be
+    ``"drafter"`` or ``"target"``) decides what ``"auto"`` means; explicit settings still win. Without a preset
+    ``"auto"`` is the checkpoint's own choice, as :func:`load_pipeline` with ``preset="native"``.
     """
+    if preset is not None:
+        presets.recipe(preset, name)  # a bad preset or role fails before the (long) load
+    if context_scheme != "auto" and context_scheme not in CONTEXT_SCHEMES:
+        raise ValueError(f"context_scheme must be 'auto' or one of {CONTEXT_SCHEMES}, got {context_scheme!r}")
     model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device=device, num_heads=num_heads,
                                   fp8=fp8, fuse_qkv=fuse_qkv, compile=compile)
-    scheme_name = info.context_scheme if context_scheme == "auto" else context_scheme
-    if scheme_name not in CONTEXT_SCHEMES:
-        raise ValueError(f"context_scheme must be 'auto' or one of {CONTEXT_SCHEMES}, got {context_scheme!r}")
+    # The schedule belongs to the weights, not to the context scheme: Krea 14B was distilled for
+    # 5 calls; Self-Forcing 1.3B for 4, also when it runs with a recompute window (long videos).
+    own_schedule = "krea" if info.architecture == "Wan2.1-T2V-14B" else "self_forcing"
+    scheme_name, schedule, source = presets.resolve(preset, name, context_scheme=context_scheme, schedule=schedule,
+                                                    checkpoint_context=info.context_scheme, checkpoint_schedule=own_schedule)
+    if attention_bias is not None and scheme_name != "recompute_window":
+        raise ValueError(f"{name}: attention_bias={attention_bias} only applies to the recompute-window context, but "
+                         f"{path} runs with '{scheme_name}' ({source['context_scheme']}); drop the attention bias or "
+                         "choose context_scheme='recompute_window'")
     scheme: ContextScheme = make_context_scheme(scheme_name, max_frames=max_frames, attention_bias=attention_bias,
                                                 anchor_encoder=anchor_encoder)
-    if schedule == "auto":
-        # The schedule belongs to the weights, not to the context scheme: Krea 14B was distilled for
-        # 5 calls; Self-Forcing 1.3B for 4, also when it runs with a recompute window (long videos).
-        schedule = "krea" if info.architecture == "Wan2.1-T2V-14B" else "self_forcing"
     gen = CausalGenerator(model, schedule=schedule, context=scheme, name=name)
     gen.info = info
+    gen.settings_source = source
     return gen
+
+
+def load_pipeline(*, drafter: str | os.PathLike, target: str | os.PathLike, vae: str | os.PathLike,
+                  reward: str | os.PathLike | None = None, preset: str = "reference", device="cpu", drafter_device=None,
+                  aux_device=None, dtype="bfloat16", vae_dtype="float32", drafter_context: str = "auto",
+                  target_context: str = "auto", drafter_schedule: str = "auto", target_schedule: str = "auto",
+                  fp8_target: bool = False, router_options: dict | None = None, **model_options):
+    """Load drafter, target, VAE (and ImageReward) into a :class:`SpeculativePipeline`, in the paper's
+    configuration by default (``preset="reference"``; ``"native"`` runs each model as distilled).
+
+    ``router_options`` go to :class:`RewardRouter` (``tau``, ``tau_mode``, ``accept_rate``, ``aggregation`` ...);
+    ``model_options`` to both :func:`load_generator` calls (``max_frames``, ``fuse_qkv``, ``compile`` ...).
+    Checks the preset before loading anything.
+    """
+    from .pipeline import SpeculativePipeline
+    from .router import RewardRouter
+    from .vae import load_wan_vae
+
+    presets.check_preset(preset)
+    aux = aux_device or device
+    streaming_vae = load_wan_vae(vae, device=aux, dtype=parse_dtype(vae_dtype))
+    draft_gen = load_generator(drafter, name="drafter", dtype=dtype, device=drafter_device or device,
+                               context_scheme=drafter_context, schedule=drafter_schedule, preset=preset, **model_options)
+    target_gen = load_generator(target, name="target", dtype=dtype, device=device, fp8=fp8_target,
+                                context_scheme=target_context, schedule=target_schedule, preset=preset, **model_options)
+    router = None
+    if reward is not None:
+        from .reward import load_image_reward
+
+        router = RewardRouter(load_image_reward(reward, device=aux), **(router_options or {}))
+    pipe = SpeculativePipeline(draft_gen, target_gen, streaming_vae, router)
+    pipe.preset = preset
+    return pipe

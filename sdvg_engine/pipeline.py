@@ -17,8 +17,12 @@ the target nothing until the target next has to generate.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
+import sys
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
@@ -27,8 +31,10 @@ import torch
 
 from .generator import BlockSample, CausalGenerator
 from .report import BlockRecord, ComponentTimer, Lap, build_report
-from .router import RandomRouter, RewardRouter, RouteDecision
+from .router import RandomRouter, RewardRouter, RouteDecision, TauState
 from .sampling import NoiseSource, SeededNoise
+from .memo import Recording, RecordedBlock, ReplayMemo, _cpu, plan_replay
+from .workers import COMPONENTS, Workers, plan_lanes, wait
 
 MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random")
 TEXT_LEN = 512
@@ -36,6 +42,10 @@ TEXT_LEN = 512
 
 class GenerationCancelled(RuntimeError):
     """Raised between model calls when a run is cancelled; the pipeline stays usable."""
+
+
+class NonFiniteOutputError(RuntimeError):
+    """A model produced NaN/inf for a block: raised instead of saving a black video; the pipeline stays usable."""
 
 
 class CancelToken:
@@ -134,6 +144,12 @@ class SpeculativePipeline:
     def __init__(self, drafter: CausalGenerator, target: CausalGenerator, vae, router: RewardRouter | None = None):
         self.drafter, self.target, self.vae, self.router = drafter, target, vae, router
         drafter.name, target.name = "drafter", "target"
+        #: the preset the models were loaded with (:func:`sdvg_engine.load_pipeline` sets it; None = configured by hand)
+        self.preset: str | None = None
+        #: default worker layout of a run (see :func:`sdvg_engine.workers.plan_lanes`); ``generate(workers=)`` overrides
+        self.workers: int | str = "auto"
+        #: a :class:`ReplayMemo` to reuse earlier runs that differ only in tau (``None``: off)
+        self.memo: ReplayMemo | None = None
         self._check_compatible()
         # A recompute-window model re-encodes its anchor frame with the pipeline's VAE.
         for gen in (drafter, target):
@@ -166,35 +182,46 @@ class SpeculativePipeline:
     def stream(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
                height: int = 480, seed: int = 42, options: SDVGOptions | None = None,
                noise: NoiseSource | None = None, cancel: CancelToken | None = None,
-               before_call: Callable[[str, str], None] | None = None) -> Iterator[BlockRecord]:
-        """Yield one :class:`BlockRecord` per block as soon as it is final. See :meth:`generate`."""
+               before_call: Callable[[str, str], None] | None = None, tau_state: TauState | None = None,
+               workers: int | str | None = None) -> Iterator[BlockRecord]:
+        """Yield one :class:`BlockRecord` per block, in block order, as soon as it is final. See :meth:`generate`."""
         opts = options or SDVGOptions()
-        run = self._begin(prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call)
-        for b in range(run.num_blocks):
-            use_target = opts.mode == "target_only" or (b == 0 and opts.force_first_block and opts.mode != "draft_only")
-            block_seconds = dict(run.timer.seconds)
-            if use_target:
-                record = self._target_block(run, b, drafted=False, decision=None)
-            else:
-                draft = self._timed(run, "drafter", lambda: self.drafter.generate_block(b, run.noise))
-                vae_before = self.vae.snapshot()
-                pixels, decode = self._decode(run, draft.latents)
-                decision = self._route(run, b, pixels)
-                if decision is None or decision.accept:
-                    record = self._commit(run, b, draft.latents, pixels, decode, source="draft", drafted=True,
-                                          decision=decision)
+        run = self._begin(prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call,
+                          tau_state, self.workers if workers is None else workers)
+        with run.workers:
+            yield from self._replay(run)  # the blocks an earlier run made with the same inputs and decisions
+            previous = None
+            for b in range(run.first_block, run.num_blocks):
+                if self._target_generates(opts, b):
+                    block = self._target_block(run, b, drafted=False)
                 else:
-                    self.vae.restore(vae_before)
-                    record = self._target_block(run, b, drafted=True, decision=decision, draft=draft)
-            record.seconds = {k: v - block_seconds.get(k, 0.0) for k, v in run.timer.seconds.items() if v - block_seconds.get(k, 0.0) > 0}
-            run.records.append(record)
-            yield record
+                    draft = run.submit("drafter", self._draft, run, b)
+                    decoded = run.submit("vae", self._snapshot_and_decode, run, draft)
+                    fallback = self._speculate_target(run, b, draft)  # regenerates beside the verification
+                    if previous is not None:
+                        yield self._finish_block(run, previous)  # its decode ran beside this block's draft
+                        previous = None
+                    decision = self._route(run, b, decoded)
+                    if decision is None or decision.accept:
+                        if fallback is not None:
+                            fallback.drop()
+                        block = self._commit(run, b, draft, decoded, source="draft", drafted=True, decision=decision)
+                    else:
+                        run.submit("vae", self._restore, decoded)
+                        block = self._target_block(run, b, drafted=True, decision=decision, draft=draft, fallback=fallback)
+                if previous is not None:
+                    yield self._finish_block(run, previous)
+                previous = block
+            if previous is not None:  # None when every block was replayed
+                yield self._finish_block(run, previous)
+            run.workers.finish()
 
     def generate(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
                  height: int = 480, seed: int = 42, options: SDVGOptions | None = None,
                  noise: NoiseSource | None = None, cancel: CancelToken | None = None,
                  before_call: Callable[[str, str], None] | None = None,
-                 on_block: Callable[[BlockRecord], None] | None = None) -> SDVGResult:
+                 on_block: Callable[[BlockRecord], None] | None = None, tau_state: TauState | None = None,
+                 workers: int | str | None = None) -> SDVGResult:
         """Generate one video.
 
         Args:
@@ -206,80 +233,194 @@ class SpeculativePipeline:
             options: :class:`SDVGOptions` (mode, hybrid, cascade ...).
             noise: explicit noise source (overrides ``seed``).
             cancel: a :class:`CancelToken`; checked before every model, VAE and reward call.
-            before_call: ``f(component, kind)`` called before every model call (raise to cancel).
+            before_call: ``f(component, kind)`` called before every model call (raise to cancel). With several
+                workers it is called from their threads.
             on_block: called with each :class:`BlockRecord` as soon as its block is final.
+            tau_state: the running scores of an adaptive threshold (``tau_mode="accept_rate"``) to continue from,
+                e.g. carried across the videos of a benchmark; default: a fresh one per video.
+            workers: ``1`` (sequential), ``"auto"`` (one worker per device when the models sit on several) or ``2``
+                (CPU threads: the target beside the drafter side); default: the pipeline's :attr:`workers`.
+                Every choice gives bit-identical outputs; see :mod:`sdvg_engine.workers`.
         """
         started = time.perf_counter()
         for record in self.stream(prompt_embeds, prompt=prompt, num_frames=num_frames, width=width, height=height,
-                                  seed=seed, options=options, noise=noise, cancel=cancel, before_call=before_call):
+                                  seed=seed, options=options, noise=noise, cancel=cancel, before_call=before_call,
+                                  tau_state=tau_state, workers=workers):
             if on_block is not None:
                 on_block(record)
         return self._finish(time.perf_counter() - started)
 
     # ---- steps of the loop --------------------------------------------------------------------------
-    def _target_block(self, run, b, *, drafted: bool, decision: RouteDecision | None, draft: BlockSample | None = None):
+    @staticmethod
+    def _target_generates(opts: SDVGOptions, b: int) -> bool:
+        return opts.mode == "target_only" or (b == 0 and opts.force_first_block and opts.mode != "draft_only")
+
+    def _draft(self, run, b) -> BlockSample:
+        return self._timed(run, "drafter", lambda: self.drafter.generate_block(b, run.noise))
+
+    def _target_sample(self, run, b, draft):
+        """The target's block ``b``: from the block's noise, or (hybrid) from the drafter's state after k steps."""
         refine = run.options.refine_from_step
         if draft is not None and refine is not None:
-            # Hybrid regeneration: continue from the drafter's noisy state at its step `refine`.
             state = draft.states[refine - draft.first_step]
             first = self.target.step_index(self.drafter.schedule.timesteps[refine])
-            sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise, first_step=first, start_latents=state))
+            return self._timed(run, "target", lambda: self.target.generate_block(b, run.noise, first_step=first, start_latents=state))
+        return self._timed(run, "target", lambda: self.target.generate_block(b, run.noise))
+
+    def _speculate_target(self, run, b, draft):
+        """With a worker of its own, the target regenerates block ``b`` while its draft is decoded and scored
+        (its context is final: block ``b - 1`` is committed). Dropped on accept, used on reject."""
+        if not run.workers.speculates or run.options.mode not in ("sdvg", "random"):
+            return None
+        needs_draft = run.options.refine_from_step is not None
+        return run.workers.speculate("target", self.target, self._target_sample, run, b, draft if needs_draft else None)
+
+    def _target_block(self, run, b, *, drafted: bool, decision: RouteDecision | None = None, draft=None, fallback=None):
+        if fallback is not None:
+            sample = fallback.future
         else:
-            sample = self._timed(run, "target", lambda: self.target.generate_block(b, run.noise))
-        pixels, decode = self._decode(run, sample.latents)
-        return self._commit(run, b, sample.latents, pixels, decode, source="target", drafted=drafted, decision=decision)
+            sample = run.submit("target", self._target_sample, run, b, draft)
+        decoded = run.submit("vae", self._decode, run, sample)
+        return self._commit(run, b, sample, decoded, source="target", drafted=drafted, decision=decision)
 
-    def _decode(self, run, latents) -> tuple[torch.Tensor, Lap]:
-        """Decode a block; also return its decode :class:`Lap` (an all-target run would pay it for every kept block)."""
+    def _decode(self, run, sample: BlockSample):
+        """Decode a block: ``(pixels, lap)``; the :class:`Lap` is what an all-target run would pay for this block too."""
         with self._measure(run, "vae") as lap:
-            pixels = self.vae.decode_block(latents)
-        return pixels, lap
+            pixels = self.vae.decode_block(sample.latents)
+        return None, pixels, lap, self.vae.snapshot()
 
-    def _route(self, run, b, pixels) -> RouteDecision | None:
+    def _snapshot_and_decode(self, run, sample: BlockSample):
+        """Decode a draft, keeping the VAE state from before it, to roll back to on reject."""
+        before = self.vae.snapshot()
+        return (before,) + self._decode(run, sample)[1:]
+
+    def _restore(self, decoded) -> None:
+        self.vae.restore(decoded[0])
+
+    def _route(self, run, b, decoded) -> RouteDecision | None:
         """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
         mode = run.options.mode
         if mode in ("draft_only", "first_block_only"):
             return None
         if mode == "random":
             return run.random_router.decide_block(b)
-        return self._timed(run, "reward", lambda: self._score(run, unit_frames(pixels)))
+        return run.workers.result(run.submit("reward", self._score_draft, run, decoded))
 
-    def _score(self, run, frames: torch.Tensor) -> RouteDecision:
+    def _score_draft(self, run, decoded) -> RouteDecision:
+        frames = unit_frames(decoded[1])
+        tau = self.router.block_tau(run.tau_state)
+        decision = self._timed(run, "reward", lambda: self._score(run, frames, tau))
+        run.tau_state.observe(decision.block_score)
+        return decision
+
+    def _score(self, run, frames: torch.Tensor, tau: float) -> RouteDecision:
         router, opts = self.router, run.options
+        previous = wait(run.previous_features)
         if not opts.cascade or frames.shape[0] <= opts.cascade_frames:
-            decision, scores = router.judge(frames, run.prompt_features, previous_features=run.previous_features)
-            run.pending_features = scores.image_features[-1]
+            decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau)
+            run.draft_features = scores.image_features[-1]
             return decision
         first = torch.linspace(0, frames.shape[0] - 1, opts.cascade_frames).round().long().unique()
-        partial = router.scorer.score_frames(frames[first], run.prompt_features, crop=router.crop).scores
+        partial = router.score_frames(frames[first], run.prompt_features).scores
         partial_min = float(partial.min())
-        if partial_min < router.tau or partial_min >= router.tau + opts.cascade_margin:
+        if partial_min < tau or partial_min >= tau + opts.cascade_margin:
             # Below tau: the full minimum can only be lower, so this rejection is exact.
-            return router.decide(partial)
+            return router.decide(partial, tau=tau)
         rest = torch.tensor([i for i in range(frames.shape[0]) if i not in set(first.tolist())])
-        remaining = router.scorer.score_frames(frames[rest], run.prompt_features, crop=router.crop).scores
-        return router.decide(torch.cat([partial, remaining]))
+        remaining = router.score_frames(frames[rest], run.prompt_features).scores
+        # Frame scores in time order (the minimum does not care; readers of the report do).
+        order = torch.cat([first, rest]).argsort()
+        return router.decide(torch.cat([partial, remaining])[order], tau=tau)
 
-    def _commit(self, run, b, latents, pixels, decode, *, source, drafted, decision) -> BlockRecord:
+    def _commit(self, run, b, sample, decoded, *, source, drafted, decision) -> "_Block":
+        """Make block ``b`` context for both models (on their own workers) and queue what the next draft's seam
+        term needs; the frames are collected by :meth:`_finish_block`."""
+        contexts = {}
         for gen in run.active:
-            gen.commit_block(b, latents, pixels)
-        if run.pending_features is not None and source == "draft":
-            run.previous_features = run.pending_features
+            pixels = decoded if gen.context.needs_pixels else None
+            contexts[gen.name] = run.submit(gen.name, self._commit_to, gen, b, sample, pixels)
+        if source == "draft" and run.draft_features is not None:
+            run.previous_features = run.draft_features
         elif run.prompt_features is not None and self.router.temporal_weight != 0.0:
             # The next draft's seam term needs this block's last frame (scored only in sdvg mode).
-            last = unit_frames(pixels[:, :, -1:])
-            run.previous_features = self._timed(
-                run, "reward", lambda: self.router.scorer.score_frames(last, run.prompt_features, crop=self.router.crop).image_features[-1])
-        run.pending_features = None
+            run.previous_features = run.submit("reward", self._seam_features, run, decoded)
+        run.draft_features = None
+        return _Block(index=b, source=source, drafted=drafted, decision=decision, sample=sample, decoded=decoded,
+                      contexts_after=contexts, previous_features_after=run.previous_features)
+
+    @staticmethod
+    def _commit_to(gen, b, sample, decoded) -> tuple:
+        gen.commit_block(b, sample.latents, None if decoded is None else decoded[1])
+        return gen.context.snapshot()  # the state a replay restores to resume after this block
+
+    def _seam_features(self, run, decoded):
+        last = unit_frames(decoded[1][:, :, -1:])
+        return self._timed(run, "reward", lambda: self.router.score_frames(last, run.prompt_features).image_features[-1])
+
+    def _finish_block(self, run, block: "_Block") -> BlockRecord:
+        """Wait for a committed block's frames and record it (in block order)."""
+        sample = run.workers.result(block.sample) if isinstance(block.sample, Future) else block.sample
+        _, pixels, lap, vae_after = run.workers.result(block.decoded)
+        if not torch.isfinite(sample.latents).all() or not torch.isfinite(pixels).all():
+            model = "drafter" if block.source == "draft" else "target"
+            raise NonFiniteOutputError(
+                f"block {block.index}: the {model}'s output is not finite (NaN or inf) in "
+                f"{'its latents' if not torch.isfinite(sample.latents).all() else 'its decoded frames'}; nothing of this "
+                "block is kept. Check the weights (a corrupt or wrongly quantized checkpoint), the dtype (try bf16 or "
+                "fp32) and the prompt embeddings.")
         frames = unit_frames(pixels).permute(0, 2, 3, 1).cpu()  # [T, H, W, 3]
         f0 = run.video_frames
         run.video_frames += frames.shape[0]
-        run.latents.append(latents.float().cpu())
-        run.mask.append(torch.full((frames.shape[0],), 1.0 if source == "draft" else 0.0))
+        run.latents.append(sample.latents.float().cpu())
+        run.mask.append(torch.full((frames.shape[0],), 1.0 if block.source == "draft" else 0.0))
         run.frames.append(frames)
         fpb = self.target.frames_per_block
-        return BlockRecord(index=b, source=source, drafted=drafted, decision=decision, decode=decode,
-                           latent_frames=(b * fpb, (b + 1) * fpb), video_frames=(f0, run.video_frames), frames=frames)
+        record = BlockRecord(index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
+                             decode=lap, latent_frames=(block.index * fpb, (block.index + 1) * fpb),
+                             video_frames=(f0, run.video_frames), frames=frames)
+        now = run.timer.seconds
+        record.seconds = {k: v - run.block_seconds.get(k, 0.0) for k, v in now.items() if v - run.block_seconds.get(k, 0.0) > 0}
+        run.block_seconds = dict(now)
+        run.records.append(record)
+        if run.recording is not None:
+            run.recording.blocks.append(RecordedBlock(
+                index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
+                latents=run.latents[-1], pixels=_cpu(pixels), vae_after=_cpu(vae_after),
+                contexts_after={name: _cpu(run.workers.result(f)) for name, f in block.contexts_after.items()},
+                previous_features_after=_cpu(run.workers.result(block.previous_features_after)
+                                             if isinstance(block.previous_features_after, Future) else block.previous_features_after),
+                seconds=sum(record.seconds.values())))
+        return record
+
+    # ---- replay ---------------------------------------------------------------------------------------
+    def _replay(self, run) -> Iterator[BlockRecord]:
+        """Restore the state after the last reusable block of an earlier run and yield its blocks' records."""
+        plan = run.replay_plan
+        if plan is None:
+            return
+        blocks = plan.recording.blocks[: plan.reuse]
+        last = blocks[-1]
+        for gen in run.active:
+            gen.context.restore(last.contexts_after[gen.name])
+        self.vae.restore(last.vae_after)
+        run.previous_features = last.previous_features_after
+        run.tau_state = plan.tau_state
+        fpb = self.target.frames_per_block
+        for block, decision in zip(blocks, plan.decisions):
+            frames = unit_frames(block.pixels).permute(0, 2, 3, 1)
+            f0 = run.video_frames
+            run.video_frames += frames.shape[0]
+            run.latents.append(block.latents)
+            run.mask.append(torch.full((frames.shape[0],), 1.0 if block.source == "draft" else 0.0))
+            run.frames.append(frames)
+            record = BlockRecord(index=block.index, source=block.source, drafted=block.drafted, decision=decision,
+                                 latent_frames=(block.index * fpb, (block.index + 1) * fpb),
+                                 video_frames=(f0, run.video_frames), frames=frames, replayed=True)
+            run.records.append(record)
+            run.replayed_seconds += block.seconds
+            if run.recording is not None:
+                run.recording.blocks.append(dataclasses.replace(block, decision=decision))
+            yield record
 
     def _timed(self, run, component: str, fn):
         """Run ``fn`` as one call of ``component`` (a cancel point), timed on that component's device."""
@@ -290,13 +431,19 @@ class SpeculativePipeline:
     def _measure(self, run, component: str):
         """A cancel point, then the body timed as one call of ``component`` on its device; yields the :class:`Lap`."""
         run.check_cancel(component, "call")
-        devices = {"drafter": lambda: self.drafter.model.device, "target": lambda: self.target.model.device,
-                   "vae": lambda: self.vae.device, "reward": lambda: self.router.scorer.device}
-        with run.timer.measure(component, devices[component]()) as lap:
+        with run.timer.measure(component, self._device(component)) as lap:
             yield lap
 
+    def _device(self, component: str) -> torch.device:
+        if component in ("drafter", "target"):
+            return getattr(self, component).model.device
+        if component == "vae":
+            return torch.device(self.vae.device)
+        return torch.device(self.router.scorer.device) if self.router is not None else torch.device("cpu")
+
     # ---- setup and results --------------------------------------------------------------------------
-    def _begin(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call):
+    def _begin(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call,
+               tau_state, workers):
         opts.validate(self.router)
         if width % 16 or height % 16 or width <= 0 or height <= 0:
             raise ValueError(f"width and height must be positive multiples of 16, got {width}x{height}")
@@ -304,6 +451,11 @@ class SpeculativePipeline:
         num_blocks = video_frames_to_latent_frames(num_frames, fpb) // fpb
         if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != 1:
             raise ValueError(f"text context must be [1, L, {self.target.model.config.text_dim}], got {tuple(prompt_embeds.shape)}")
+        if not torch.isfinite(prompt_embeds).all():
+            raise ValueError("the prompt embeddings (text context) contain NaN or inf; re-encode the prompt")
+        if opts.mode == "sdvg" and not str(prompt).strip():
+            raise ValueError("mode 'sdvg' scores drafts against the prompt text, but prompt is empty; pass prompt=... "
+                             "(the text the embeddings were made from)")
         if prompt_embeds.shape[1] < TEXT_LEN:  # the reference pads UMT5 output to 512 rows
             prompt_embeds = torch.nn.functional.pad(prompt_embeds, (0, 0, 0, TEXT_LEN - prompt_embeds.shape[1]))
         if opts.refine_from_step is not None:
@@ -311,24 +463,40 @@ class SpeculativePipeline:
             if not 1 <= opts.refine_from_step < steps:
                 raise ValueError(f"refine_from_step must be in 1..{steps - 1} for the drafter's {steps}-step schedule")
             self.target.step_index(self.drafter.schedule.timesteps[opts.refine_from_step])
+        devices = {c: self._device(c) for c in COMPONENTS}
+        lanes = plan_lanes(opts.mode, devices, workers)
+        memo_key = None
+        if self.memo is not None and noise is None:
+            memo_key = self._memo_key(prompt_embeds, prompt, num_frames, width, height, seed, opts, devices)
 
         run = _Run(options=opts, num_blocks=num_blocks, noise=noise or SeededNoise(seed), cancel=cancel,
-                   before_call=before_call, prompt=prompt, seed=seed, width=width, height=height, num_frames=num_frames)
+                   before_call=before_call, prompt=prompt, seed=seed, width=width, height=height, num_frames=num_frames,
+                   workers=Workers(lanes))
+        run.timer.handover_sync = not run.workers.parallel
         uses_drafter = opts.mode != "target_only"
         uses_target = opts.mode != "draft_only"
         run.active = [g for g, used in ((self.drafter, uses_drafter), (self.target, uses_target)) if used]
-        for gen in (self.drafter, self.target):
-            gen.before_call = run.check_cancel
-            gen.calls.clear()  # a model this mode does not use must not report a previous run's calls
-            gen.timer.clear()
-        h, w = height // 8, width // 8
-        for gen in run.active:
-            gen.start(prompt_embeds, latent_height=h, latent_width=w, num_blocks=num_blocks)
-        self.vae.reset()
-        if opts.mode == "sdvg":
-            run.prompt_features = self.router.scorer.encode_prompt(prompt)
-        if opts.mode == "random":
-            run.random_router = RandomRouter(opts.random_accept_prob, seed, key=prompt)
+        try:
+            for gen in (self.drafter, self.target):
+                gen.before_call = run.check_cancel
+                gen.calls.clear()  # a model this mode does not use must not report a previous run's calls
+                gen.timer.clear()
+            h, w = height // 8, width // 8
+            for gen in run.active:
+                gen.start(prompt_embeds, latent_height=h, latent_width=w, num_blocks=num_blocks)
+            self.vae.reset()
+            if opts.mode == "sdvg":
+                run.prompt_features = self.router.scorer.encode_prompt(prompt)
+                run.tau_state = tau_state if tau_state is not None else self.router.new_tau_state()
+            if opts.mode == "random":
+                run.random_router = RandomRouter(opts.random_accept_prob, seed, key=prompt)
+            if memo_key is not None:
+                run.recording = Recording(memo_key)
+                run.replay_plan = plan_replay(self.memo.lookup(memo_key), self.router, opts, run.tau_state)
+                run.first_block = run.replay_plan.reuse if run.replay_plan is not None else 0
+        except BaseException:
+            run.workers.__exit__(*sys.exc_info())
+            raise
         self._run = run
         return run
 
@@ -337,29 +505,67 @@ class SpeculativePipeline:
         records = run.records
         settings = {
             **asdict(run.options), "seed": run.seed, "num_frames": run.num_frames, "width": run.width, "height": run.height,
-            "prompt": run.prompt, "drafter_schedule": self.drafter.schedule.name, "target_schedule": self.target.schedule.name,
+            "prompt": run.prompt, "preset": self.preset,
+            "drafter_schedule": self.drafter.schedule.name, "target_schedule": self.target.schedule.name,
             "drafter_context": self.drafter.context.name, "target_context": self.target.context.name,
+            "settings_source": {g.name: dict(g.settings_source) for g in (self.drafter, self.target)},
+            "workers": {"lanes": dict(run.workers.lanes), "parallel": run.workers.parallel},
         }
         if self.router is not None:
-            settings.update(tau=self.router.tau if math.isfinite(self.router.tau) else str(self.router.tau),
-                            aggregation=self.router.aggregation, crop=self.router.crop, temporal_weight=self.router.temporal_weight)
+            router_settings = self.router.settings()
+            tau = router_settings.get("tau", self.router.tau)
+            router_settings["tau"] = tau if not isinstance(tau, float) or math.isfinite(tau) else str(tau)
+            settings.update(router_settings)
+        parallel_decode = run.workers.parallel and not run.workers.same_lane("target", "vae")
         report = build_report(
             settings=settings, blocks=records, wall_seconds=wall, timer=run.timer,
             calls={g.name: dict(g.calls) for g in (self.drafter, self.target)},
             model_seconds={g.name: {k: round(v, 6) for k, v in g.seconds.items()} for g in (self.drafter, self.target)},
             target_only_model_seconds=self._target_only_seconds(len(records)),
             memory={"drafter_kv_cache_bytes": self.drafter.kv_cache_bytes, "target_kv_cache_bytes": self.target.kv_cache_bytes},
+            decode_hidden=parallel_decode,
         )
+        report["tau_per_block"] = [None if b.decision is None or b.decision.tau is None else _json_number(b.decision.tau)
+                                   for b in records]
+        stored = self.memo.store(run.recording) if run.recording is not None else False
+        report["replay"] = {
+            "enabled": run.recording is not None,
+            "replayed_blocks": run.first_block,
+            "seconds_saved": round(run.replayed_seconds, 6),
+            "kept_for_replay": stored,
+            "memo_bytes": self.memo.nbytes if self.memo is not None else 0,
+        }
+        report["schedule"] = {
+            "worker_busy_seconds": run.workers.busy_seconds(),
+            "critical_path_seconds": round(wall, 6),
+            "speculative_target_blocks": run.workers.speculations,
+            "dropped_speculative_blocks": run.workers.dropped,
+            "dropped_speculative_seconds": round(run.workers.dropped_seconds, 6),
+        }
         return SDVGResult(frames=torch.cat(run.frames), latents=torch.cat(run.latents, dim=2),
                           acceptance_mask=torch.cat(run.mask), blocks=records, report=report)
 
+    def _memo_key(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices) -> tuple:
+        """Every input of a run except the router's tau settings (tau, tau mode, target rate, prior) and the
+        workers, which do not change outputs."""
+        text = prompt_embeds.detach().float().cpu().contiguous()
+        options = asdict(opts)
+        models = tuple(_model_identity(g) for g in (self.drafter, self.target))
+        router = None
+        if self.router is not None:
+            router = tuple(sorted((k, str(v)) for k, v in self.router.settings().items()
+                                  if k not in ("tau", "tau_mode", "accept_rate", "prior_mean", "prior_std", "prior_count")))
+            router += (id(self.router.scorer),)
+        vae = (id(self.vae.vae) if hasattr(self.vae, "vae") else id(self.vae), str(getattr(self.vae, "dtype", "")))
+        return (hashlib.sha256(text.numpy().tobytes()).hexdigest(), tuple(text.shape), prompt, num_frames, width, height,
+                seed, tuple(sorted(options.items())), models, router, vae, tuple(sorted((k, str(v)) for k, v in devices.items())))
 
     def _target_only_seconds(self, num_blocks: int) -> float | None:
         """What the target's model calls of an all-target video would cost, from this run's per-call times.
 
         All-target = every block's full schedule + one context pass (commit or recompute) before each
         later block. Per-call times, not per-block totals: a run's target total also holds deferred
-        commits of accepted drafts and, with hybrid regeneration, partial schedules.
+        commits of accepted drafts, dropped speculative work and, with hybrid regeneration, partial schedules.
         """
         calls, seconds = self.target.calls, self.target.seconds
         if not calls.get("denoise"):
@@ -368,7 +574,35 @@ class SpeculativePipeline:
         context_kinds = [k for k in ("commit", "recompute") if calls.get(k)]
         # A t=0 context pass has the shape of a denoising call; use that when none was measured.
         per_context = sum(seconds[k] for k in context_kinds) / sum(calls[k] for k in context_kinds) if context_kinds else per_denoise
-        return per_denoise * self.target.schedule.num_steps * num_blocks + per_context * (num_blocks - 1)
+        passes_per_context = 1 if self.target.context.name == "global_cache" else getattr(self.target.context, "context_frames", 3) // max(1, self.target.frames_per_block) or 1
+        return per_denoise * self.target.schedule.num_steps * num_blocks + per_context * passes_per_context * (num_blocks - 1)
+
+
+@dataclass
+class _Block:
+    """A committed block whose frames may still be decoding (on another worker)."""
+
+    index: int
+    source: str
+    drafted: bool
+    decision: RouteDecision | None
+    sample: object  # BlockSample or a Future of one
+    decoded: object  # Future of (VAE state before or None, pixels, decode Lap, VAE state after)
+    contexts_after: dict  # generator name -> Future of its context snapshot after this commit
+    previous_features_after: object  # seam features after this block (a tensor, None or a Future)
+
+
+def _model_identity(gen: CausalGenerator) -> tuple:
+    """Which weights, schedule and context a generator runs (in-place weight changes bump ``_version``)."""
+    params = list(gen.model.parameters())
+    weights = tuple((p.data_ptr(), p._version, str(p.dtype)) for p in (params[0], params[-1])) if params else ()
+    context = tuple(sorted((k, str(v)) for k, v in vars(gen.context).items() if isinstance(v, (int, float, str, type(None)))
+                           and k in ("max_frames", "context_frames", "attention_bias")))
+    return (id(gen.model), weights, gen.schedule.timesteps, gen.context.name, context, gen.frames_per_block)
+
+
+def _json_number(x: float):
+    return float(x) if math.isfinite(x) else str(x)
 
 
 class _Run:
@@ -381,12 +615,24 @@ class _Run:
         self.video_frames = 0
         self.prompt_features = None
         self.random_router = None
-        self.previous_features = None
-        self.pending_features = None
+        self.previous_features = None  # ViT features of the last committed frame (or a Future of them)
+        self.draft_features = None  # the scored draft's last-frame features, kept if it is accepted
+        self.tau_state = None
         self.active = []
+        self.recording = None  # what a later run may replay (when the pipeline has a memo)
+        self.replay_plan = None
+        self.first_block = 0
+        self.replayed_seconds = 0.0
+        self.block_seconds = {}
+
+    def submit(self, component: str, fn, *args):
+        return self.workers.submit(component, fn, *args)
 
     def check_cancel(self, component: str, kind: str) -> None:
         if self.cancel is not None and self.cancel.cancelled:
             raise GenerationCancelled(f"generation cancelled before a {component} {kind}")
+        if self.workers.failed.is_set():
+            raise GenerationCancelled(f"stopped before a {component} {kind}: another worker of this run failed "
+                                      f"({self.workers.first_error!r})")
         if self.before_call is not None:
             self.before_call(component, kind)

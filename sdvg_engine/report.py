@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -45,13 +46,16 @@ class ComponentTimer:
         self._laps: list[tuple[str, Lap]] = []
         self._seconds: Counter = Counter()
         self._last_device: torch.device | None = None
+        self._lock = threading.Lock()  # several workers may time their calls at once
+        #: wait for the previous GPU when the next call runs elsewhere (one worker); off when each device has a worker
+        self.handover_sync = True
 
     @contextmanager
     def measure(self, label: str, device: torch.device | None = None):
         """Time the body as one call of ``label``; yields its :class:`Lap`."""
         device = torch.device(device) if device is not None else torch.device("cpu")
         last, self._last_device = self._last_device, device
-        if last is not None and last.type == "cuda" and last != device:
+        if self.handover_sync and last is not None and last.type == "cuda" and last != device:
             # Handing over to another device: without this wait, work still queued on the previous GPU
             # (e.g. the drafter's, when the VAE sits on cuda:1 or on the CPU) would be timed as this call's.
             torch.cuda.synchronize(last)
@@ -70,20 +74,23 @@ class ComponentTimer:
                 end.record(stream)
             else:
                 lap._seconds = time.perf_counter() - began
-            self._laps.append((label, lap))
+            with self._lock:
+                self._laps.append((label, lap))
 
     @property
     def seconds(self) -> Counter:
         """Total seconds per label so far (waits for pending CUDA events)."""
-        for label, lap in self._laps:
-            self._seconds[label] += lap.seconds
-        self._laps.clear()
-        return Counter(self._seconds)
+        with self._lock:
+            laps, self._laps = self._laps, []
+            for label, lap in laps:
+                self._seconds[label] += lap.seconds
+            return Counter(self._seconds)
 
     def clear(self) -> None:
-        self._laps.clear()
-        self._seconds.clear()
-        self._last_device = None
+        with self._lock:
+            self._laps.clear()
+            self._seconds.clear()
+            self._last_device = None
 
 
 @dataclass
@@ -111,6 +118,7 @@ class BlockRecord:
     frames: torch.Tensor | None = None
     seconds: dict = field(default_factory=dict)
     decode: Lap = field(default_factory=Lap)
+    replayed: bool = False  # taken from an earlier run with the same inputs (see sdvg_engine.memo)
 
     @property
     def decode_seconds(self) -> float:
@@ -120,7 +128,7 @@ class BlockRecord:
         d = {
             "index": self.index, "source": self.source, "drafted": self.drafted,
             "latent_frames": list(self.latent_frames), "video_frames": list(self.video_frames),
-            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()}, "replayed": self.replayed,
         }
         d["decision"] = None if self.decision is None else self.decision.to_dict()
         return d
@@ -131,18 +139,25 @@ def _finite(x):
 
 
 def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, model_seconds: dict, timer: ComponentTimer,
-                 wall_seconds: float, target_only_model_seconds: float | None, memory: dict) -> dict:
+                 wall_seconds: float, target_only_model_seconds: float | None, memory: dict,
+                 decode_hidden: bool = False) -> dict:
     """The JSON-serialisable summary of a run.
 
     ``speedup_vs_target`` estimates what an all-target run would have cost from the per-call times
     measured in this run (``target_only_model_seconds``: the target's calls of an all-target video,
-    plus the decode of every kept block), divided by this run's wall time.
+    plus the decode of every kept block), divided by this run's wall time. With ``decode_hidden`` (the VAE has a
+    worker of its own) an all-target run would decode beside the target, so the longer of the two counts.
     """
     drafted = [b for b in blocks if b.drafted]
     accepted = [b for b in drafted if b.source == "draft"]
     later = blocks[1:]
     decode_kept = sum(b.decode_seconds for b in blocks)
-    estimate = None if target_only_model_seconds is None else target_only_model_seconds + decode_kept
+    if target_only_model_seconds is None:
+        estimate = None
+    elif decode_hidden:
+        estimate = max(target_only_model_seconds, decode_kept)
+    else:
+        estimate = target_only_model_seconds + decode_kept
     seconds = {c: round(timer.seconds.get(c, 0.0), 6) for c in COMPONENTS}
     inside = sum(timer.seconds.get(c, 0.0) for c in COMPONENTS)
     return {

@@ -12,6 +12,29 @@ accepts when ``block_score >= tau``. Optionally a temporal-consistency term is a
 The features come for free with the reward forward (VBench-style subject consistency, with
 BLIP features instead of DINO). Note that similarity alone favours static video.
 
+Adaptive threshold (``tau_mode="accept_rate"``): instead of a fixed tau, each drafted block is
+compared with the (1 - r) quantile of a distribution that mixes a Gaussian prior
+N(prior_mean, prior_std^2) with weight ``prior_count`` and every draft block score observed so
+far with weight 1 (a :class:`TauState`, one per video unless the caller carries it on):
+
+    H(t)  = prior_count * Phi((t - prior_mean) / prior_std) + #{observed scores <= t}
+    tau_b = min { t : H(t) >= (1 - r) * (prior_count + n) }        (n = scores observed so far)
+
+so tau_0 is the prior's own (1 - r) quantile, and as n grows tau_b tends to the (1 - r)
+empirical quantile (inverse ECDF) of the scores, which makes the long-run share of accepted
+drafts tend to r. NaN scores (diverged drafts, always rejected) count as -inf. With
+``prior_count=0`` the prior is used only for the very first block.
+
+Reference (yuezhouhu/spec-video-gen ``release_server.py``, commit 006012c): ``REWARD_ACCEPT_RATE``
+0.72, prior N(0.566414, 1.070617^2); for the first 5 scored blocks the threshold is the prior
+quantile alone, afterwards the linear-interpolated (numpy "linear") empirical quantile of all
+scores seen, the prior dropped; the pool is process-wide (all prompts and videos) and the first
+block of each video is force-rejected and not scored, for which it raises the rate to
+min(0.95, r * B / (B - 1)). Here the prior is a pseudo-count instead of a hard warm-up: the
+default ``prior_count=5`` gives the prior the weight of the reference's 5 warm-up blocks and lets
+it fade as 5 / (5 + n) rather than vanish at n = 5. Forcing the first block and pooling across
+videos are the caller's choice (carry one ``TauState`` across videos to pool).
+
 ``RandomRouter`` is the ablation baseline: accepts each block with probability ``p``,
 deterministically per ``(seed, key, block_index)`` whatever the call order (the pipeline's key is
 the prompt text).
@@ -19,19 +42,31 @@ the prompt text).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
 
-from .reward import CROP_MODES, FrameScores, ImageRewardScorer, PromptFeatures
+from .reward import CROP_MODES, PREPROCESS_MODES, FrameScores, ImageRewardScorer, PromptFeatures
 
-__all__ = ["AGGREGATIONS", "RouteDecision", "RewardRouter", "RandomRouter", "temporal_consistency"]
+__all__ = [
+    "AGGREGATIONS",
+    "TAU_MODES",
+    "RouteDecision",
+    "RewardRouter",
+    "RandomRouter",
+    "TauState",
+    "mixture_quantile",
+    "temporal_consistency",
+]
 
 AGGREGATIONS = ("min", "mean")
+TAU_MODES = ("fixed", "accept_rate")
 
 
 def _json_float(x: float | None) -> float | None:
@@ -39,6 +74,13 @@ def _json_float(x: float | None) -> float | None:
     if x is None or not math.isfinite(x):
         return None
     return float(x)
+
+
+def _json_tau(x: float | None) -> float | str | None:
+    # A threshold may be ±inf on purpose (accept all / nothing): kept as "inf"/"-inf" (as in run settings).
+    if x is None or math.isnan(x):
+        return None
+    return float(x) if math.isfinite(x) else str(float(x))
 
 
 @dataclass
@@ -52,6 +94,7 @@ class RouteDecision:
     reward_score: aggregate of the ImageReward scores alone (NaN for RandomRouter).
     temporal_score: mean consecutive-frame cosine similarity, or None when not computed.
     frames_scored: number of frames scored.
+    tau: the threshold ``block_score`` was compared with (None for RandomRouter).
     """
 
     accept: bool
@@ -60,6 +103,7 @@ class RouteDecision:
     reward_score: float
     temporal_score: float | None
     frames_scored: int
+    tau: float | None = None
 
     def to_dict(self) -> dict:
         """JSON-serialisable dict (non-finite floats become None)."""
@@ -70,7 +114,85 @@ class RouteDecision:
         d["temporal_score"] = _json_float(self.temporal_score)
         d["frame_scores"] = [_json_float(s) for s in self.frame_scores]
         d["frames_scored"] = int(self.frames_scored)
+        d["tau"] = _json_tau(self.tau)
         return d
+
+
+@dataclass
+class TauState:
+    """Running state of an adaptive threshold: the draft block scores observed so far, in order.
+
+    One per video unless the caller carries it on (then the quantile pools over videos, as the
+    reference server's process-wide pool does). ``copy()`` gives an independent state, e.g. to
+    replay or speculate without touching the original.
+    """
+
+    scores: list[float] = field(default_factory=list)
+    _sorted: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.scores = [float(s) for s in self.scores]
+        self._sorted = sorted(_rank_value(s) for s in self.scores)
+
+    def observe(self, score: float) -> None:
+        """Record one drafted block's score (NaN allowed: it ranks as -inf)."""
+        score = float(score)
+        self.scores.append(score)
+        bisect.insort(self._sorted, _rank_value(score))
+
+    def copy(self) -> "TauState":
+        return TauState(list(self.scores))
+
+    def sorted_scores(self) -> list[float]:
+        """The observed scores ascending, NaN as -inf (resynchronised if ``scores`` was edited directly)."""
+        if len(self._sorted) != len(self.scores):
+            self._sorted = sorted(_rank_value(s) for s in self.scores)
+        return self._sorted
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+
+def _rank_value(score: float) -> float:
+    return -math.inf if math.isnan(score) else score
+
+
+def mixture_quantile(
+    sorted_scores: Sequence[float], q: float, prior_mean: float, prior_std: float, prior_count: float
+) -> float:
+    """The q quantile of ``prior_count`` x N(prior_mean, prior_std^2) + one unit mass per score.
+
+    Returns ``min{t : prior_count * Phi((t - mean) / std) + #{s <= t} >= q * (prior_count + n)}``
+    for ascending ``sorted_scores`` (n of them); the prior's own q quantile when both the count
+    and n are 0. Exact (inverse normal CDF on the continuous pieces, the score itself at a jump).
+    """
+    prior = NormalDist(prior_mean, prior_std)
+    n = len(sorted_scores)
+    k = float(prior_count)
+    if n == 0:
+        return prior.inv_cdf(q)
+    target = q * (k + n)
+
+    def mass_at(i: int) -> float:  # H(s_i), counting ties
+        s = sorted_scores[i]
+        return k * prior.cdf(s) + bisect.bisect_right(sorted_scores, s)
+
+    # Smallest index m whose score reaches the target (H is non-decreasing along the sorted scores).
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mass_at(mid) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    m = lo
+    if k == 0:
+        return float(sorted_scores[m])  # target <= n, so m < n
+    # On [s_{m-1}, s_m) exactly m scores are <= t (m is the first of any tie group): solve k*Phi(t) + m = target.
+    p = (target - m) / k
+    if m < n and p >= prior.cdf(sorted_scores[m]):
+        return float(sorted_scores[m])  # the jump at s_m crosses the target
+    return prior.inv_cdf(min(max(p, 1e-300), math.nextafter(1.0, 0.0)))
 
 
 def _threshold(score: float, tau: float) -> bool:
@@ -108,8 +230,43 @@ def temporal_consistency(
     return float(F.cosine_similarity(feats[:-1], feats[1:], dim=-1).mean())
 
 
+def _number(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _check_tau(tau, name: str = "tau") -> float:
+    try:
+        tau = float(tau)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number (±inf allowed), got {tau!r}") from None
+    if math.isnan(tau):
+        raise ValueError(f"{name} must not be NaN (use -inf to accept all, +inf to reject all)")
+    return tau
+
+
 class RewardRouter:
-    """Threshold router on per-frame ImageReward scores (see module docstring)."""
+    """Threshold router on per-frame ImageReward scores (see module docstring).
+
+    Args:
+        scorer: the ImageReward scorer.
+        tau: fixed threshold (``tau_mode="fixed"``, the default).
+        aggregation: "min" or "mean" over the block's frames.
+        crop: "center" (ImageReward's crop) or "full" (whole frame squashed).
+        temporal_weight: weight of the temporal-consistency term in the block score.
+        tau_mode: "fixed" (compare with ``tau``) or "accept_rate" (per-block quantile threshold
+            targeting an acceptance share ``accept_rate``; see :meth:`block_tau`).
+        accept_rate: target share r of drafted blocks accepted, in (0, 1).
+        prior_mean, prior_std: Gaussian prior of draft block scores (the reference's
+            ImageReward global statistics).
+        prior_count: weight of the prior in pseudo-observations (>= 0; 5 = the reference's
+            5-block warm-up; 0 = prior only for the first block).
+        preprocess: frame preprocessing for scoring, "pil" (ImageReward-exact) or "torch" (fast).
+    """
 
     def __init__(
         self,
@@ -119,28 +276,91 @@ class RewardRouter:
         aggregation: str = "min",
         crop: str = "center",
         temporal_weight: float = 0.0,
+        tau_mode: str = "fixed",
+        accept_rate: float = 0.73,
+        prior_mean: float = 0.566,
+        prior_std: float = 1.071,
+        prior_count: float = 5.0,
+        preprocess: str = "pil",
     ):
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         if crop not in CROP_MODES:
             raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
-        try:
-            tau = float(tau)
-        except (TypeError, ValueError):
-            raise ValueError(f"tau must be a number (±inf allowed), got {tau!r}") from None
-        if math.isnan(tau):
-            raise ValueError("tau must not be NaN (use -inf to accept all, +inf to reject all)")
+        if preprocess not in PREPROCESS_MODES:
+            raise ValueError(
+                f"preprocess must be one of {PREPROCESS_MODES}, got {preprocess!r} "
+                f"('pil' = ImageReward-exact 8-bit PIL path, 'torch' = fast on-device approximation)"
+            )
+        if tau_mode not in TAU_MODES:
+            raise ValueError(f"tau_mode must be one of {TAU_MODES}, got {tau_mode!r}")
+        tau = _check_tau(tau)
         try:
             temporal_weight = float(temporal_weight)
         except (TypeError, ValueError):
             raise ValueError(f"temporal_weight must be a number, got {temporal_weight!r}") from None
         if not math.isfinite(temporal_weight):
             raise ValueError(f"temporal_weight must be finite, got {temporal_weight}")
+        accept_rate = _number("accept_rate", accept_rate)
+        if not (0.0 < accept_rate < 1.0):  # also rejects NaN
+            raise ValueError(
+                f"accept_rate must be in (0, 1) (the share of drafted blocks to accept), got {accept_rate}"
+            )
+        prior_mean = _number("prior_mean", prior_mean)
+        if not math.isfinite(prior_mean):
+            raise ValueError(f"prior_mean must be finite, got {prior_mean}")
+        prior_std = _number("prior_std", prior_std)
+        if not (0.0 < prior_std < math.inf):
+            raise ValueError(f"prior_std must be > 0 and finite, got {prior_std}")
+        prior_count = _number("prior_count", prior_count)
+        if not (0.0 <= prior_count < math.inf):
+            raise ValueError(f"prior_count must be >= 0 and finite (pseudo-observations), got {prior_count}")
         self.scorer = scorer
         self.tau = tau
         self.aggregation = aggregation
         self.crop = crop
         self.temporal_weight = temporal_weight
+        self.tau_mode = tau_mode
+        self.accept_rate = accept_rate
+        self.prior_mean = prior_mean
+        self.prior_std = prior_std
+        self.prior_count = prior_count
+        self.preprocess = preprocess
+
+    # ----------------------------------------------------------------------- thresholds
+
+    def new_tau_state(self) -> TauState:
+        """An empty :class:`TauState` (start of a video)."""
+        return TauState()
+
+    def block_tau(self, state: TauState | None) -> float:
+        """The threshold for the next drafted block.
+
+        ``fixed``: ``self.tau`` (``state`` ignored). ``accept_rate``: the (1 - accept_rate)
+        quantile of prior (weight ``prior_count``) + the scores in ``state`` (None = no scores
+        yet), see the module docstring. The caller then does ``state.observe(decision.block_score)``.
+        """
+        if self.tau_mode == "fixed":
+            return self.tau
+        if state is not None and not isinstance(state, TauState):
+            raise TypeError(f"state must be a TauState or None, got {type(state).__name__}")
+        scores = state.sorted_scores() if state is not None else []
+        return mixture_quantile(scores, 1.0 - self.accept_rate, self.prior_mean, self.prior_std, self.prior_count)
+
+    def settings(self) -> dict:
+        """The routing settings as a JSON-serialisable dict (±inf tau as "inf"/"-inf")."""
+        return {
+            "tau": _json_tau(self.tau),
+            "tau_mode": self.tau_mode,
+            "accept_rate": self.accept_rate,
+            "prior_mean": self.prior_mean,
+            "prior_std": self.prior_std,
+            "prior_count": self.prior_count,
+            "aggregation": self.aggregation,
+            "crop": self.crop,
+            "temporal_weight": self.temporal_weight,
+            "preprocess": self.preprocess,
+        }
 
     def aggregate(self, frame_scores: torch.Tensor) -> float:
         """min or mean over frames (NaN propagates, so a NaN frame gives a rejected block)."""
@@ -154,12 +374,16 @@ class RewardRouter:
         self,
         frame_scores: torch.Tensor | Sequence[float],
         temporal: float | None = None,
+        *,
+        tau: float | None = None,
     ) -> RouteDecision:
         """Aggregate precomputed per-frame scores [N] and threshold them.
 
         ``temporal`` (a precomputed ``temporal_consistency``) is added with ``temporal_weight``
-        when given and the weight is non-zero; it is always reported.
+        when given and the weight is non-zero; it is always reported. ``tau``: the threshold to
+        use (e.g. ``block_tau(state)``); None = ``self.tau``. It is recorded in the decision.
         """
+        tau = self.tau if tau is None else _check_tau(tau)
         s = torch.as_tensor(frame_scores, dtype=torch.float32).reshape(-1).cpu()
         if s.numel() == 0:
             raise ValueError("decide() needs at least one frame score")
@@ -168,12 +392,13 @@ class RewardRouter:
         if temporal is not None and self.temporal_weight != 0.0:
             block = reward + self.temporal_weight * float(temporal)
         return RouteDecision(
-            accept=_threshold(block, self.tau),
+            accept=_threshold(block, tau),
             block_score=block,
             frame_scores=[float(x) for x in s.tolist()],
             reward_score=reward,
             temporal_score=None if temporal is None else float(temporal),
             frames_scored=int(s.numel()),
+            tau=tau,
         )
 
     def judge(
@@ -182,6 +407,7 @@ class RewardRouter:
         prompt: str | PromptFeatures,
         *,
         previous_features: torch.Tensor | None = None,
+        tau: float | None = None,
     ) -> tuple[RouteDecision, FrameScores]:
         """Score one decoded block ``frames`` [N, 3, H, W] (0..1) and decide.
 
@@ -189,11 +415,19 @@ class RewardRouter:
         i.e. ``FrameScores.image_features[-1]`` of the previous accepted block; used for the
         seam term of the temporal score. Returns the decision and the raw ``FrameScores``
         (whose ``image_features[-1]`` is what to pass next time if the block is committed).
+        ``tau``: threshold for this block (e.g. ``block_tau(state)``); None = ``self.tau``.
         """
-        out = self.scorer.score_frames(frames, prompt, crop=self.crop)
+        if tau is not None:
+            tau = _check_tau(tau)  # before the (expensive) scoring
+        out = self.score_frames(frames, prompt)
         # Always reported (N cosine similarities: free); only weighted in when w != 0.
         temporal = temporal_consistency(out.image_features, previous_features)
-        return self.decide(out.scores, temporal), out
+        return self.decide(out.scores, temporal, tau=tau), out
+
+    def score_frames(self, frames: torch.Tensor, prompt_features: str | PromptFeatures) -> FrameScores:
+        """Score frames [N, 3, H, W] (0..1 or uint8) with this router's crop and preprocessing
+        (for partial/cascade scoring and seam features, consistent with :meth:`judge`)."""
+        return self.scorer.score_frames(frames, prompt_features, crop=self.crop, preprocess=self.preprocess)
 
 
 class RandomRouter:

@@ -26,6 +26,7 @@ This module must never import ComfyUI.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -128,6 +129,9 @@ class StreamingWanVAE:
         # One slot per causal conv, as diffusers' `clear_cache()` does (the 1x1x1 shortcut conv is counted but
         # never uses its slot).
         self._num_cache_slots = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        # `vae.encode` keeps its causal cache on the shared diffusers module: two workers re-encoding anchors
+        # (drafter and target on the recompute window) must take turns.
+        self._encode_lock = threading.Lock()
         self.reset()
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -295,7 +299,8 @@ class StreamingWanVAE:
             raise ValueError(f"encode_video needs H and W divisible by {self.spatial_scale}, got {height}x{width}")
         # `vae.encode` clears only the VAE's own caches (`vae._feat_map`, `vae._enc_feat_map`); the decode stream lives
         # in `self._feat_cache` and is untouched. It also triggers accelerate offload hooks itself.
-        posterior = self.vae.encode(pixels.to(device=self.device, dtype=self.dtype)).latent_dist
+        with self._encode_lock:
+            posterior = self.vae.encode(pixels.to(device=self.device, dtype=self.dtype)).latent_dist
         return self.normalize(posterior.mode().float())
 
     # ------------------------------------------------------------------------------------------------- helpers

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from sdvg_engine.reward import (
     REWARD_MEAN,
@@ -16,6 +18,7 @@ from sdvg_engine.reward import (
     ImageRewardModel,
     build_tiny_image_reward,
     count_parameters,
+    frames_to_uint8,
     infer_config,
     load_image_reward,
     preprocess_frames,
@@ -364,44 +367,155 @@ def test_bf16_close_to_fp32():
 # ------------------------------------------- preprocessing -------------------------------------
 
 
+MEAN = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
+STD = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
+
+
 def test_preprocess_center_and_full_shapes():
     frames = _frames(2, h=480, w=832)
-    for crop in ("center", "full"):
-        out = preprocess_frames(frames, 224, crop=crop)
-        assert out.shape == (2, 3, 224, 224) and out.dtype == torch.float32
-    # An SxS frame is only normalised, both ways.
+    for mode in ("pil", "torch"):
+        for crop in ("center", "full"):
+            out = preprocess_frames(frames, 224, crop=crop, preprocess=mode)
+            assert out.shape == (2, 3, 224, 224) and out.dtype == torch.float32
+    # An SxS frame is only normalised (torch) or only 8-bit truncated + normalised (pil), both crops.
     sq = _frames(1, h=32, w=32)
-    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
-    std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
+    truncated = torch.floor(sq * 255) / 255  # sq in [0, 1): floor == truncation
     for crop in ("center", "full"):
-        torch.testing.assert_close(preprocess_frames(sq, 32, crop=crop), (sq - mean) / std)
+        torch.testing.assert_close(preprocess_frames(sq, 32, crop=crop, preprocess="torch"), (sq - MEAN) / STD)
+        torch.testing.assert_close(preprocess_frames(sq, 32, crop=crop, preprocess="pil"), (truncated - MEAN) / STD)
     # uint8 input is accepted; the caller's tensor is not modified.
     u8 = (sq * 255).round().to(torch.uint8)
-    torch.testing.assert_close(preprocess_frames(u8, 32), (u8.float() / 255 - mean) / std)
-    wide = _frames(1, h=32, w=60) * 3 - 1
-    before = wide.clone()
-    preprocess_frames(wide, 32)
-    assert torch.equal(wide, before)
+    for mode in ("pil", "torch"):
+        torch.testing.assert_close(preprocess_frames(u8, 32, preprocess=mode), (u8.float() / 255 - MEAN) / STD)
+        wide = _frames(1, h=32, w=60) * 3 - 1
+        before = wide.clone()
+        preprocess_frames(wide, 32, preprocess=mode)
+        assert torch.equal(wide, before)
 
 
-def test_preprocess_center_crop_matches_reference_geometry():
+def test_preprocess_torch_center_crop_geometry():
     # Shorter side -> S (torchvision Resize(int): long = int(S * long / short)), then crop.
     frames = _frames(1, h=64, w=96)
-    out = preprocess_frames(frames, 32, crop="center")
+    out = preprocess_frames(frames, 32, crop="center", preprocess="torch")
     resized = F.interpolate(frames, size=(32, 48), mode="bicubic", antialias=True).clamp(0, 1)
-    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
-    std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
-    torch.testing.assert_close(out, (resized[..., :, 8:40] - mean) / std)
+    torch.testing.assert_close(out, (resized[..., :, 8:40] - MEAN) / STD)
 
 
-def test_full_crop_sees_edges(scorer):
+# ---- PIL-exact path, against a reference written here from torchvision/ImageReward's documented steps ----
+
+
+def _reference_u8(frames: torch.Tensor) -> np.ndarray:
+    """The reference server's TF.to_pil_image(x.clamp(0, 1)): x * 255 truncated, as [N, H, W, 3] uint8."""
+    x = np.clip(frames.permute(0, 2, 3, 1).numpy().astype(np.float32), 0.0, 1.0)
+    return np.floor(x * np.float32(255.0)).astype(np.uint8)
+
+
+def _reference_pil(u8_hwc: np.ndarray, size: int, crop: str = "center", *, round_fn=round) -> np.ndarray:
+    """Resize(size, BICUBIC) + CenterCrop(size) + ToTensor + Normalize on one PIL image -> [3, S, S] float32."""
+    img = Image.fromarray(u8_hwc)
+    w, h = img.size
+    if crop == "full":
+        img = img.resize((size, size), Image.BICUBIC)
+    else:
+        short, long = min(w, h), max(w, h)
+        new_long = int(size * long / short)
+        nw, nh = (size, new_long) if w <= h else (new_long, size)
+        img = img.resize((nw, nh), Image.BICUBIC)
+        top, left = int(round_fn((nh - size) / 2.0)), int(round_fn((nw - size) / 2.0))
+        img = img.crop((left, top, left + size, top + size))
+    a = np.asarray(img).astype(np.float32) / np.float32(255.0)
+    mean = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
+    std = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
+    return ((a - mean) / std).transpose(2, 0, 1)
+
+
+# (300, 307): resized to 224x229, crop left offset (229 - 224) / 2 = 2.5 -> 2 with half-to-even (3 rounding up).
+@pytest.mark.parametrize("hw", [(300, 500), (500, 300), (480, 832), (300, 307)])
+@pytest.mark.parametrize("crop", ["center", "full"])
+def test_pil_path_pixels_exact(hw, crop):
+    h, w = hw
+    frames = _frames(2, h=h, w=w, seed=h + w)
+    frames[0, :, :3] = 1.0  # exact 1.0 -> 255 and out-of-range values -> clamped
+    frames[1, :, -3:] = 1.7
+    frames[1, :, :2] = -0.3
+    out = preprocess_frames(frames, 224, crop=crop, preprocess="pil")
+    ref = np.stack([_reference_pil(f, 224, crop) for f in _reference_u8(frames)])
+    assert torch.equal(out, torch.from_numpy(ref))
+    if hw == (300, 307) and crop == "center":
+        up = np.stack([_reference_pil(f, 224, crop, round_fn=lambda v: math.floor(v + 0.5)) for f in _reference_u8(frames)])
+        assert not np.array_equal(ref, up)  # the .5 offset case really tells the two roundings apart
+
+
+def test_reference_8bit_conversion_truncates():
+    vals = torch.tensor([0.0, 0.5, 0.999, 1.0, 1.5, -0.2, 0.00392, 0.00393, 254.6 / 255])
+    frames = vals.view(1, 1, 1, -1).expand(1, 3, 1, -1).contiguous()
+    assert frames_to_uint8(frames)[0, 0, 0].tolist() == [0, 127, 254, 255, 255, 0, 0, 1, 254]
+    assert frames_to_uint8(frames.half())[0, 0, 0].tolist()[:6] == [0, 127, 254, 255, 255, 0]
+    u8 = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert frames_to_uint8(u8) is u8
+
+
+@pytest.mark.parametrize("hw", [(45, 77), (77, 45), (300, 307)])
+def test_uint8_input_equals_float_input(hw):
+    frames = _frames(3, h=hw[0], w=hw[1], seed=5)
+    u8 = torch.from_numpy(_reference_u8(frames)).permute(0, 3, 1, 2).contiguous()
+    for crop in ("center", "full"):
+        a = preprocess_frames(frames, 224, crop=crop, preprocess="pil")
+        b = preprocess_frames(u8, 224, crop=crop, preprocess="pil")
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("hw", [(45, 77), (77, 45)])
+def test_pil_scores_match_independent_pil_computation(scorer, hw):
+    u8 = torch.randint(0, 256, (4, 3, *hw), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    feats = scorer.encode_prompt(PROMPT)
+    for crop in ("center", "full"):
+        pix = torch.from_numpy(np.stack([_reference_pil(f, 32, crop) for f in u8.permute(0, 2, 3, 1).numpy()]))
+        with torch.no_grad():
+            ref_scores, ref_feats = scorer.model(pix, feats.input_ids, feats.attention_mask)
+        out = scorer.score_frames(u8, feats, crop=crop)  # the scorer's default is "pil"
+        assert scorer.preprocess == "pil"
+        torch.testing.assert_close(out.scores, ref_scores, rtol=0, atol=1e-4)
+        torch.testing.assert_close(out.image_features, ref_feats, rtol=0, atol=1e-4)
+        # Float frames that convert to these bytes score the same; the torch path is close but not equal.
+        f = u8.float() / 255 + 0.5 / 255
+        torch.testing.assert_close(scorer.score_frames(f, feats, crop=crop).scores, ref_scores, rtol=0, atol=1e-4)
+        fast = scorer.score_frames(f, feats, crop=crop, preprocess="torch").scores
+        assert not torch.equal(fast, out.scores)
+
+
+def test_nonfinite_frame_scores_nan_in_both_paths(scorer):
+    frames = _frames(3, seed=9)
+    frames[1, 0, 4, 4] = float("nan")
+    frames[2, 1, 0, 0] = float("inf")
+    for mode in ("pil", "torch"):
+        s = scorer.score_frames(frames, PROMPT, preprocess=mode).scores
+        assert math.isfinite(float(s[0])) and math.isnan(float(s[1])) and math.isnan(float(s[2]))
+        alone = scorer.score_frames(frames[:1], PROMPT, preprocess=mode).scores
+        torch.testing.assert_close(s[:1], alone, rtol=0, atol=1e-5)
+
+
+def test_preprocess_mode_validation(tmp_path, scorer):
+    with pytest.raises(ValueError, match=r"preprocess must be one of \('pil', 'torch'\), got 'cv2'"):
+        preprocess_frames(_frames(1), 32, preprocess="cv2")
+    with pytest.raises(ValueError, match="preprocess must be one of"):
+        scorer.score_frames(_frames(1), PROMPT, preprocess="PIL")
+    with pytest.raises(ValueError, match="preprocess must be one of"):
+        load_image_reward(tmp_path / "missing.pt", preprocess="bilinear")
+    with pytest.raises(ValueError, match="preprocess must be one of"):
+        build_tiny_image_reward(preprocess="nearest")
+    assert build_tiny_image_reward(preprocess="torch").preprocess == "torch"
+
+
+@pytest.mark.parametrize("mode", ["pil", "torch"])
+def test_full_crop_sees_edges(scorer, mode):
     frames = _frames(2, h=32, w=96, seed=7)
     changed = frames.clone()
     changed[:, :, :, :12] = 1.0 - changed[:, :, :, :12]  # only the left edge
-    c0 = scorer.score_frames(frames, PROMPT, crop="center").scores
-    c1 = scorer.score_frames(changed, PROMPT, crop="center").scores
-    f0 = scorer.score_frames(frames, PROMPT, crop="full").scores
-    f1 = scorer.score_frames(changed, PROMPT, crop="full").scores
+    c0 = scorer.score_frames(frames, PROMPT, crop="center", preprocess=mode).scores
+    c1 = scorer.score_frames(changed, PROMPT, crop="center", preprocess=mode).scores
+    f0 = scorer.score_frames(frames, PROMPT, crop="full", preprocess=mode).scores
+    f1 = scorer.score_frames(changed, PROMPT, crop="full", preprocess=mode).scores
     torch.testing.assert_close(c0, c1, rtol=0, atol=0)  # center crop never sees the left edge
     assert (f0 - f1).abs().max() > 1e-3
 

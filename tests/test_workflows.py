@@ -141,7 +141,8 @@ def test_checker_catches_broken_api_workflows():
 FROZEN_WIDGETS = {
     "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme"],
     "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme"],
-    "SDVGRewardRouter": ["reward_model", "tau", "aggregation", "crop", "temporal_weight"],
+    "SDVGRewardRouter": ["reward_model", "tau", "aggregation", "crop", "temporal_weight", "tau_mode", "accept_rate",
+                         "preprocess"],
     "SDVGSpeculativeSampler": ["reward_prompt", "width", "height", "length", "seed", "mode", "force_first_block",
                                "refine_from_step", "cascade", "random_accept_prob"],
     "SDVGLoadPromptEmbeddings": ["embeddings_file", "index"],

@@ -138,12 +138,16 @@ def check_ui_workflow(wf: dict) -> list[str]:
         # widgets_values: positional, one per widget (+1 after a control_after_generate seed).
         values = list(node.get("widgets_values") or [])
         expected = sum(i.widget_values for i in spec.widgets)
-        if len(values) != expected:
+        # A workflow saved before optional widgets were appended has fewer values: the frontend assigns
+        # widgets_values by position and leaves the missing trailing (optional) widgets at their defaults.
+        present = _present_widgets(spec.widgets, len(values))
+        if len(values) != expected and present is None:
             errors.append(f"{where}: {len(values)} widgets_values, expected {expected} "
                           f"({[i.name for i in spec.widgets]})")
             continue
+        errors_before = len(errors)
         named, k = {}, 0
-        for w in spec.widgets:
+        for w in present or spec.widgets:
             named[w.name] = values[k]
             k += 1
             if w.control_after_generate:
@@ -151,10 +155,14 @@ def check_ui_workflow(wf: dict) -> list[str]:
                     errors.append(f"{where}: control_after_generate value {values[k]!r} after {w.name}")
                 k += 1
         linked_widgets = {i["name"] for i in node.get("inputs", []) if i.get("widget") and i.get("link") is not None}
-        for w in spec.widgets:
+        for w in present or spec.widgets:
             if w.name not in linked_widgets and (p := value_problem(w, named[w.name])):
                 errors.append(f"{where}: {p}")
         errors += [f"{where}: {p}" for p in node_problems(node["type"], {k: v for k, v in named.items() if k not in linked_widgets})]
+        if len(values) != expected and len(errors) > errors_before:
+            # Short by whole optional widgets, but the values do not fit: more likely a value went missing.
+            errors.append(f"{where}: {len(values)} widgets_values, expected {expected} "
+                          f"({[i.name for i in spec.widgets]}; fewer only if trailing optional ones are left out)")
         # Inputs: sockets and linked widgets, with matching names and types.
         by_name = {i.name: i for i in spec.inputs}
         seen = set()
@@ -266,6 +274,17 @@ def check_api_workflow(prompt: dict) -> list[str]:
     return errors
 
 
+def _present_widgets(widgets, n_values: int):
+    """The leading widgets that ``n_values`` saved values cover when only trailing optional widgets are
+    missing (an older workflow); None when the count fits no such prefix."""
+    k = 0
+    for i, w in enumerate(widgets):
+        if k == n_values:
+            return list(widgets[:i]) if all(x.optional for x in widgets[i:]) else None
+        k += w.widget_values
+    return list(widgets) if k == n_values else None
+
+
 def ui_to_api(wf: dict) -> dict:
     """What the frontend's "Export (API)" makes of a UI workflow (links as [src, slot], widgets by name)."""
     links = {l[0]: l for l in wf["links"]}
@@ -273,7 +292,7 @@ def ui_to_api(wf: dict) -> dict:
     for node in wf["nodes"]:
         spec = spec_of(node["type"])
         values, k, inputs = list(node.get("widgets_values") or []), 0, {}
-        for w in spec.widgets:
+        for w in _present_widgets(spec.widgets, len(values)) or spec.widgets:
             inputs[w.name] = values[k]
             k += 2 if w.control_after_generate else 1
         for inp in node.get("inputs", []):

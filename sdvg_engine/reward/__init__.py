@@ -4,7 +4,7 @@ Public API::
 
     scorer = load_image_reward("ImageReward.pt", device="cuda", dtype=torch.float16)
     feats = scorer.encode_prompt("a cat surfing")          # cached per prompt string
-    out = scorer.score_frames(frames, feats, crop="center") # frames [N, 3, H, W] in 0..1
+    out = scorer.score_frames(frames, feats, crop="center") # frames [N, 3, H, W] in 0..1 or uint8
     out.scores          # [N] float32 CPU, ImageReward-v1.0 scale (about N(0, 1))
     out.image_features  # [N, vision_width] float32 CPU, ViT CLS after the final norm
 
@@ -29,7 +29,8 @@ from .model import (
     count_parameters,
     randomize_reward_head,
 )
-from .preprocess import CROP_MODES, preprocess_frames
+from .preprocess import CROP_MODES, PREPROCESS_MODES, frames_to_uint8, preprocess_frames
+from .preprocess import _check_mode as _check_preprocess
 from .tokenizer import BlipTokenizer
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "HEADS_METADATA_KEY",
     "REWARD_STD",
     "CROP_MODES",
+    "PREPROCESS_MODES",
+    "frames_to_uint8",
     "ImageRewardConfig",
     "ImageRewardModel",
     "ImageRewardScorer",
@@ -88,6 +91,10 @@ class ImageRewardScorer:
         model: the network (``torch.nn.Module``), exposed so callers can wrap/offload it.
         tokenizer: the BLIP tokenizer.
         batch_size: max frames per forward (None = all frames of a call in one forward).
+        preprocess: default frame preprocessing, "pil" (ImageReward-exact: 8-bit frames, PIL
+            bicubic resize + centre crop, as the reference server scores them) or "torch"
+            (on-device antialiased bicubic on the float frames: faster; scores differ by up to
+            ~1e-2, mostly from the 8-bit step; see ``sdvg_engine.reward.preprocess``).
         device, dtype: read from the model's parameters, so they stay right if the model is
             moved by someone else (e.g. a memory manager).
     """
@@ -99,9 +106,11 @@ class ImageRewardScorer:
         *,
         batch_size: int | None = None,
         prompt_cache_size: int = 256,
+        preprocess: str = "pil",
     ):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        _check_preprocess(preprocess)
         if len(tokenizer) != model.config.vocab_size:
             raise ValueError(
                 f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
@@ -112,6 +121,7 @@ class ImageRewardScorer:
         self.batch_size = batch_size
         self._prompt_cache: OrderedDict[str, PromptFeatures] = OrderedDict()
         self._prompt_cache_size = prompt_cache_size
+        self.preprocess = preprocess
 
     @property
     def config(self) -> ImageRewardConfig:
@@ -150,12 +160,16 @@ class ImageRewardScorer:
         prompt: str | PromptFeatures,
         *,
         crop: str = "center",
+        preprocess: str | None = None,
     ) -> FrameScores:
-        """Score each frame of ``frames`` [N, 3, H, W] (0..1, any H, W) against ``prompt``.
+        """Score each frame of ``frames`` [N, 3, H, W] (float 0..1 or uint8, any H, W) against ``prompt``.
 
         ``crop``: "center" = ImageReward's resize-shorter-side + center crop; "full" = squash
         the whole frame to the ViT size so that the borders are scored too.
+        ``preprocess``: "pil" (ImageReward-exact) or "torch" (fast); None = ``self.preprocess``.
         """
+        preprocess = self.preprocess if preprocess is None else preprocess
+        _check_preprocess(preprocess)
         feats = self.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         if not isinstance(feats, PromptFeatures):
             raise TypeError(f"prompt must be a str or PromptFeatures, got {type(prompt).__name__}")
@@ -163,7 +177,7 @@ class ImageRewardScorer:
         if device.type == "meta":
             raise RuntimeError("the reward model has no weights (meta device); load it first")
         pixels = preprocess_frames(
-            frames, self.config.image_size, crop=crop, device=device, dtype=dtype
+            frames, self.config.image_size, crop=crop, device=device, dtype=dtype, preprocess=preprocess
         )
         ids = feats.input_ids.to(device)
         mask = feats.attention_mask.to(device)
@@ -185,13 +199,18 @@ def load_image_reward(
     vision_heads: int | None = None,
     text_heads: int | None = None,
     batch_size: int | None = None,
+    preprocess: str = "pil",
 ) -> ImageRewardScorer:
     """Load an unmodified ``ImageReward.pt`` (or a ``.safetensors`` with the same keys) strictly.
+
+    ``preprocess`` is the scorer's default frame preprocessing ("pil" = ImageReward-exact,
+    "torch" = fast approximation; see :class:`ImageRewardScorer`).
 
     Sizes are inferred from the tensors; head counts default to ImageReward-v1.0's (16/12).
     Raises ``FileNotFoundError`` if ``path`` is not a file (nothing is ever downloaded) and
     ``ValueError`` naming the file and listing keys on any key/shape mismatch.
     """
+    _check_preprocess(preprocess)
     sd = read_state_dict(path)
     if (vision_heads is None or text_heads is None) and str(path).endswith(".safetensors"):
         # Files written by save_image_reward() carry their head counts (shapes cannot tell them).
@@ -208,7 +227,7 @@ def load_image_reward(
     )
     del sd
     model.to(device=device, dtype=dtype)
-    return ImageRewardScorer(model, BlipTokenizer(vocab_file), batch_size=batch_size)
+    return ImageRewardScorer(model, BlipTokenizer(vocab_file), batch_size=batch_size, preprocess=preprocess)
 
 
 HEADS_METADATA_KEY = "sdvg.reward_heads"
@@ -223,7 +242,9 @@ def save_image_reward(scorer: "ImageRewardScorer", path: str | Path) -> None:
     save_file(state, str(path), metadata={HEADS_METADATA_KEY: f"{cfg.vision_heads},{cfg.text_heads}"})
 
 
-def build_tiny_image_reward(seed: int = 0, *, vocab_file: str | Path | None = None) -> ImageRewardScorer:
+def build_tiny_image_reward(
+    seed: int = 0, *, vocab_file: str | Path | None = None, preprocess: str = "pil"
+) -> ImageRewardScorer:
     """A tiny randomly initialised scorer (``ImageRewardConfig.tiny()``) for tests and demos.
 
     The backbone uses N(0, 0.2) weights (larger than BLIP's 0.02 so that images actually move
@@ -238,4 +259,4 @@ def build_tiny_image_reward(seed: int = 0, *, vocab_file: str | Path | None = No
     model.init_weights(gen, std=0.2)
     randomize_reward_head(model, gen, first_std=0.3)
     model.requires_grad_(False)
-    return ImageRewardScorer(model.eval(), BlipTokenizer(vocab_file))
+    return ImageRewardScorer(model.eval(), BlipTokenizer(vocab_file), preprocess=preprocess)

@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..context import GlobalCache
+from ..context import GlobalCache, RecomputeWindow
 from ..generator import CausalGenerator
 from ..pipeline import SDVGOptions, SpeculativePipeline
+from ..presets import check_preset
 from ..router import RewardRouter
 from .models import load_toy_models, vae_round_trip
 from .text import embed_caption
@@ -57,11 +58,21 @@ def prompts_for(n: int) -> list[str]:
     return out
 
 
-def build_pipeline(models, tau: float = 0.0) -> SpeculativePipeline:
-    drafter = CausalGenerator(models.drafter, schedule="self_forcing", context=GlobalCache(21))
-    target = CausalGenerator(models.target, schedule="self_forcing", context=GlobalCache(21))
+def build_pipeline(models, tau: float = 0.0, preset: str = "native", workers: int | str = 1) -> SpeculativePipeline:
+    """The toy pipeline. ``native`` (the toy default): both tiny DiTs as they were trained, on a global cache with
+    4 calls. ``reference``: the paper's configuration (both on the recompute window with the 5-call list), which the
+    toy models were not trained for; it is here to compare decisions and quality under the two presets."""
+    check_preset(preset)
+    if preset == "native":
+        contexts, schedule = (GlobalCache(21), GlobalCache(21)), "self_forcing"
+    else:
+        contexts, schedule = (RecomputeWindow(3, anchor_encoder=models.vae), RecomputeWindow(3, anchor_encoder=models.vae)), "krea"
+    drafter = CausalGenerator(models.drafter, schedule=schedule, context=contexts[0])
+    target = CausalGenerator(models.target, schedule=schedule, context=contexts[1])
     router = RewardRouter(models.scorer, tau=tau, aggregation="min")
-    return SpeculativePipeline(drafter, target, models.vae, router)
+    pipe = SpeculativePipeline(drafter, target, models.vae, router)
+    pipe.preset, pipe.workers = preset, workers
+    return pipe
 
 
 def _run(pipe, caption, seed, options, num_frames=NUM_FRAMES):
@@ -71,9 +82,12 @@ def _run(pipe, caption, seed, options, num_frames=NUM_FRAMES):
     return result, metrics
 
 
-def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print):
-    """Run every configuration on every (prompt, seed); returns (configs, per-run results kept for output)."""
-    pipe = build_pipeline(models)
+def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print, preset: str = "native",
+          workers: int | str = 1):
+    """Run every configuration on every (prompt, seed); returns (configs, per-run results kept for output).
+
+    Every mode runs on the same ``workers``, so speedups are against the target-only run on those workers."""
+    pipe = build_pipeline(models, preset=preset, workers=workers)
     items = [(p, s) for p in prompts for s in seeds]
     configs: dict[str, dict] = {}
     kept = {}
@@ -294,6 +308,12 @@ def main(argv=None) -> dict:
                          "and slows the VAE, and it makes timings noisier)")
     ap.add_argument("--no-videos", action="store_true", help="skip the WebP/MP4 files")
     ap.add_argument("--frames", type=int, default=NUM_FRAMES, help="frames per video, 12n - 3 (default 81 = 7 blocks)")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="workers of every mode (default 2: the target on one CPU thread, drafter + VAE + reward on the other)")
+    ap.add_argument("--compare-workers", type=int, default=1,
+                    help="also time every mode on this many workers, for comparison (0: skip; default 1, the sequential schedule)")
+    ap.add_argument("--preset", default="native", choices=("native", "reference"),
+                    help="native (default: the toy models as trained) or reference (the paper's recompute window + 5 calls)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -302,8 +322,13 @@ def main(argv=None) -> dict:
     models = load_toy_models()
     prompts = prompts_for(args.prompts)
     seeds = list(range(args.seeds))
-    print(f"SDVG toy demo: {len(prompts)} prompts x {len(seeds)} seeds, taus {args.taus}, {args.frames} frames of {SIZE}x{SIZE}")
-    configs, kept = sweep(models, prompts, seeds, args.taus, num_frames=args.frames)
+    print(f"SDVG toy demo: {len(prompts)} prompts x {len(seeds)} seeds, taus {args.taus}, {args.frames} frames of {SIZE}x{SIZE}, "
+          f"preset {args.preset}, {args.workers} worker(s)")
+    configs, kept = sweep(models, prompts, seeds, args.taus, num_frames=args.frames, preset=args.preset, workers=args.workers)
+    compare = None
+    if args.compare_workers and args.compare_workers != args.workers:
+        compare, _ = sweep(models, prompts, seeds, args.taus, num_frames=args.frames, preset=args.preset,
+                           workers=args.compare_workers, log=lambda *a: None)
     showcase_tau = sorted(args.taus)[len(args.taus) // 2]
     show = f"sdvg tau={showcase_tau:g}"
     files = {"videos": [], "acceptance_mask": str(out / "acceptance_mask.png"), "report": str(out / "report.json"),
@@ -321,10 +346,19 @@ def main(argv=None) -> dict:
     summary = findings(configs)
     summary["ceiling"] = vae_ceiling(models.vae, prompts, num_frames=args.frames)
     report = {"num_frames": args.frames, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
-              "showcase_tau": showcase_tau, "threads": torch.get_num_threads(), "configs": list(configs.values()),
+              "showcase_tau": showcase_tau, "threads": torch.get_num_threads(), "preset": args.preset,
+              "workers": args.workers, "configs": list(configs.values()),
+              "compare_workers": args.compare_workers if compare else None,
+              "compare_configs": list(compare.values()) if compare else None,
               "findings": summary, "files": files, "seconds": time.perf_counter() - began}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
+    print(f"every mode on {args.workers} worker(s); speedup against target-only on {args.workers} worker(s):")
     print(format_table(configs))
+    if compare:
+        print(f"\nthe same on {args.compare_workers} worker(s) (outputs identical; only the timings differ):")
+        print(format_table(compare))
+        print(f"target-only wall time: {configs['target_only']['wall_seconds']:.2f} s on {args.workers} worker(s), "
+              f"{compare['target_only']['wall_seconds']:.2f} s on {args.compare_workers}")
     f = summary
     print(f"ceiling: rendered clips {f['ceiling']['rendered_quality']:.3f}, after the VAE round trip "
           f"{f['ceiling']['vae_roundtrip_quality']:.3f}")

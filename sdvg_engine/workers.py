@@ -1,0 +1,252 @@
+"""Where and when the pipeline's work runs: lanes of workers, futures, and speculation that can be dropped.
+
+The speculative loop (:meth:`SpeculativePipeline.stream`) says *what* happens to a block; this module decides
+*where* each component's work runs and *when*:
+
+* **One worker** (the default on one device): a single lazy lane. Submitting a task only queues it; a task runs
+  when its result is first needed, after every task queued before it. So the order of model calls is exactly the
+  order of the algorithm, as if it were written with plain calls, and nothing runs that no one asked for.
+* **Several workers** (two GPUs, or ``workers=2`` on the CPU): one thread per lane, each running its tasks in the
+  order they were submitted. Which component goes to which lane is :func:`plan_lanes`'s choice.
+
+A task may wait only for futures submitted before it; with first-in-first-out lanes that rules out deadlock
+(the earliest unfinished task never waits for anything unfinished).
+
+:class:`Speculation` is work that may turn out to be unneeded (the target regenerating a block whose draft is
+still being scored). Dropping it stops it at its next model call. It writes only the block's own cache slots
+(or a context rebuild from committed blocks), which the commit of the accepted block overwrites; so dropped work
+leaves no trace in any output.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+COMPONENTS = ("drafter", "target", "vae", "reward")
+
+
+class SpeculationDropped(Exception):
+    """Raised inside a dropped speculative task at its next model call; never leaves this module."""
+
+
+class _Task:
+    __slots__ = ("fn", "future", "label")
+
+    def __init__(self, fn: Callable, label: str):
+        self.fn, self.future, self.label = fn, Future(), label
+
+
+class _Lane:
+    """One worker: runs its tasks in submission order, in its own thread (or lazily in the caller's)."""
+
+    def __init__(self, name: str, *, threaded: bool, on_error: Callable[[BaseException], None]):
+        self.name = name
+        self.threaded = threaded
+        self.busy_seconds = 0.0
+        self._queue: deque[_Task] = deque()
+        self._on_error = on_error
+        self._ready = threading.Condition()
+        self._closing = False
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._serve, name=f"sdvg-{name}", daemon=True)
+            self._thread.start()
+
+    def submit(self, task: _Task) -> None:
+        with self._ready:
+            self._queue.append(task)
+            self._ready.notify()
+
+    def _execute(self, task: _Task) -> None:
+        started = time.perf_counter()
+        try:
+            task.future.set_result(task.fn())
+        except BaseException as err:  # handed to whoever waits for the future; the lane keeps serving
+            task.future.set_exception(err)
+            if not isinstance(err, SpeculationDropped):
+                self._on_error(err)
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+
+    # --- threaded lanes
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closing:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                task = self._queue.popleft()
+            self._execute(task)
+
+    # --- the lazy lane
+    def run_until(self, future: Future) -> None:
+        """Run queued tasks, oldest first, until ``future`` is done (lazy lane only)."""
+        while not future.done() and self._queue:
+            self._execute(self._queue.popleft())
+
+    def drain(self) -> None:
+        while self._queue:
+            self._execute(self._queue.popleft())
+
+    def discard(self) -> None:
+        while self._queue:
+            self._queue.popleft().future.cancel()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with self._ready:
+                self._closing = True
+                self._ready.notify()
+            self._thread.join()
+
+
+def plan_lanes(mode: str, devices: dict[str, torch.device], workers: int | str = "auto") -> dict[str, str]:
+    """Which lane each component runs on.
+
+    ``workers=1``: everything on one lane (the sequential schedule). ``"auto"``: one lane per device when the
+    components sit on more than one device (e.g. target on ``cuda:0``; drafter, VAE, reward on ``cuda:1``),
+    otherwise one lane. ``workers >= 2`` on one device (CPU threads): the model that makes most of the output gets
+    a lane of its own (the target, or the drafter in ``draft_only`` / ``first_block_only``); the drafter side
+    (drafter, VAE, reward) shares the other. More than two lanes on one device buy nothing here: the drafter side
+    is a chain (draft -> decode -> score) and the target waits for its verdict.
+    """
+    if workers not in ("auto",) and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be 'auto' or a positive integer, got {workers!r}")
+    distinct = {str(d) for d in devices.values()}
+    if workers == 1 or (workers == "auto" and len(distinct) == 1):
+        return {c: "main" for c in COMPONENTS}
+    if len(distinct) > 1:
+        return {c: str(devices[c]) for c in COMPONENTS}
+    lead = "drafter" if mode in ("draft_only", "first_block_only") else "target"
+    lanes = {c: "side" for c in COMPONENTS}
+    lanes[lead] = "lead"
+    if lead == "drafter":
+        lanes["target"] = "lead"
+    return lanes
+
+
+class Workers:
+    """The lanes of one run. Use as a context manager: leaving it (normally, on error or on cancel) stops and
+    joins every thread, so no work of this run is left running."""
+
+    def __init__(self, lanes: dict[str, str]):
+        self.lanes = dict(lanes)
+        names = sorted(set(self.lanes.values()))
+        self.parallel = len(names) > 1
+        self.failed = threading.Event()  # any task failed: the other lanes stop at their next model call
+        self.first_error: BaseException | None = None
+        self._lanes = {n: _Lane(n, threaded=self.parallel, on_error=self._fail) for n in names}
+        self.dropped_seconds = 0.0
+        self.speculations = 0
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def _fail(self, err: BaseException) -> None:
+        if self.first_error is None:
+            self.first_error = err
+        self.failed.set()
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the target has a lane apart from the verification (VAE and reward), so it can work beside it."""
+        return self.lanes["target"] not in (self.lanes["vae"], self.lanes["reward"])
+
+    def same_lane(self, a: str, b: str) -> bool:
+        return self.lanes[a] == self.lanes[b]
+
+    def submit(self, component: str, fn: Callable, *args, **kwargs) -> Future:
+        """Queue ``fn(*args, **kwargs)`` on ``component``'s lane; futures among ``args`` are resolved first."""
+        def call():
+            return fn(*(wait(a) for a in args), **{k: wait(v) for k, v in kwargs.items()})
+
+        task = _Task(call, component)
+        self._lanes[self.lanes[component]].submit(task)
+        return task.future
+
+    def result(self, future: Future):
+        """Wait for ``future`` (running the lazy lane up to it) and return its value or raise its error."""
+        if not self.parallel and not future.done():
+            next(iter(self._lanes.values())).run_until(future)
+        return future.result()
+
+    def speculate(self, component: str, gen, fn: Callable, *args) -> "Speculation":
+        """Queue speculative work of generator ``gen``; :meth:`Speculation.drop` stops it at its next model call."""
+        spec = Speculation(self)
+
+        def task(*values):
+            if spec.dropped.is_set():
+                return None
+            hook = gen.before_call  # read here, on the lane: the main thread may be queueing the next speculation
+
+            def guarded(name, kind):
+                if spec.dropped.is_set():
+                    raise SpeculationDropped()
+                if hook is not None:
+                    hook(name, kind)
+
+            gen.before_call = guarded
+            started = time.perf_counter()
+            try:
+                return fn(*values)
+            except SpeculationDropped:
+                return None
+            finally:
+                gen.before_call = hook
+                if spec.dropped.is_set():
+                    with self._lock:
+                        self.dropped_seconds += time.perf_counter() - started
+
+        with self._lock:
+            self.speculations += 1
+        spec.future = self.submit(component, task, *args)
+        return spec
+
+    def busy_seconds(self) -> dict[str, float]:
+        return {name: round(lane.busy_seconds, 6) for name, lane in self._lanes.items()}
+
+    def finish(self) -> None:
+        """Run what is still queued (the lazy lane's trailing tasks) and wait for every lane."""
+        for lane in self._lanes.values():
+            if not lane.threaded:
+                lane.drain()
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.failed.set()
+            for lane in self._lanes.values():
+                if not lane.threaded:
+                    lane.discard()
+        for lane in self._lanes.values():
+            lane.close()
+
+
+class Speculation:
+    """A speculative task's handle: :meth:`drop` it when its result is not needed, or :meth:`result` it."""
+
+    def __init__(self, workers: Workers):
+        self.workers = workers
+        self.dropped = threading.Event()
+        self.future: Future | None = None
+
+    def drop(self) -> None:
+        self.dropped.set()
+        with self.workers._lock:
+            self.workers.dropped += 1
+
+    def result(self):
+        return self.workers.result(self.future)
+
+
+def wait(value):
+    """The value of a future (blocking), or ``value`` itself."""
+    return value.result() if isinstance(value, Future) else value

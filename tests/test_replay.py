@@ -1,0 +1,168 @@
+"""Replay (sdvg_engine.memo): a run that differs only in tau reuses the blocks before its first changed decision and
+equals a fresh run at the new tau bit for bit."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from sdvg_engine.memo import ReplayMemo
+from sdvg_engine.pipeline import CancelToken, GenerationCancelled, SDVGOptions
+from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts, tiny_pipeline
+from test_workers import assert_same
+
+PROMPT = "a red ball rolling on grass"
+FRAMES = 45  # 4 blocks
+
+
+def generate(pipe, tau, *, seed=5, prompt=PROMPT, width=WIDTH, height=HEIGHT, embeds_seed=1, **opts):
+    pipe.router.tau = tau
+    return pipe.generate(prompt_embeds(embeds_seed), prompt=prompt, num_frames=FRAMES, width=width, height=height,
+                         seed=seed, options=SDVGOptions(**opts))
+
+
+def first_difference(a, b) -> int:
+    sa, sb = [r.source for r in a.blocks], [r.source for r in b.blocks]
+    return next((i for i in range(len(sa)) if sa[i] != sb[i]), len(sa))
+
+
+def taus_for(scheme, **opts):
+    """-inf, +inf and the midpoints between the drafts' scores of the all-accept and all-reject runs."""
+    scores = set()
+    for tau in (-math.inf, math.inf):
+        result = generate(tiny_pipeline(target_scheme=scheme), tau, **opts)
+        scores |= {r.decision.block_score for r in result.blocks if r.decision is not None}
+    ordered = sorted(scores)
+    return [-math.inf, math.inf] + [(x + y) / 2 for x, y in zip(ordered, ordered[1:])]
+
+
+@pytest.mark.parametrize("scheme", ["global_cache", "recompute_window"])
+def test_replay_equals_a_fresh_run_wherever_the_first_flip_is(scheme):
+    taus = taus_for(scheme)
+    fresh = {tau: generate(tiny_pipeline(target_scheme=scheme), tau) for tau in taus}
+    flips = set()
+    for tau_a, tau_b in itertools.permutations(taus, 2):
+        pipe = tiny_pipeline(target_scheme=scheme)
+        pipe.memo = ReplayMemo()
+        generate(pipe, tau_a)
+        replayed = generate(pipe, tau_b)
+        assert_same(replayed, fresh[tau_b])
+        expected = first_difference(fresh[tau_a], fresh[tau_b])
+        assert replayed.report["replay"]["replayed_blocks"] == expected
+        assert [r.replayed for r in replayed.blocks] == [i < expected for i in range(4)]
+        assert [r.decision.tau if r.decision else None for r in replayed.blocks] == \
+            [r.decision.tau if r.decision else None for r in fresh[tau_b].blocks]
+        flips.add(expected)
+    assert flips >= {1, 2, 3}  # the first drafted block, a middle one, the last one
+    # No decision changes: the run returns at once, with every block replayed and no model call.
+    pipe = tiny_pipeline(target_scheme=scheme)
+    pipe.memo = ReplayMemo()
+    generate(pipe, taus[2])
+    again = generate(pipe, taus[2])
+    assert_same(again, fresh[taus[2]])
+    assert again.report["replay"]["replayed_blocks"] == 4
+    assert again.report["model_calls"] == {"drafter": {}, "target": {}}
+    assert again.report["replay"]["seconds_saved"] > 0
+
+
+@pytest.mark.parametrize("opts", [{"refine_from_step": 2}, {"cascade": True, "cascade_frames": 2, "cascade_margin": 0.3}],
+                         ids=["hybrid", "cascade"])
+def test_replay_with_hybrid_and_cascade(opts):
+    taus = taus_for("global_cache", **opts)
+    fresh = {tau: generate(tiny_pipeline(), tau, **opts) for tau in taus}
+    replays = 0
+    for tau_a, tau_b in itertools.permutations(taus[:4], 2):
+        pipe = tiny_pipeline()
+        pipe.memo = ReplayMemo()
+        generate(pipe, tau_a, **opts)
+        replayed = generate(pipe, tau_b, **opts)
+        assert_same(replayed, fresh[tau_b])
+        reused = replayed.report["replay"]["replayed_blocks"]
+        # Cascade may stop earlier: a draft scored on a few frames cannot always be re-decided.
+        assert 1 <= reused <= first_difference(fresh[tau_a], fresh[tau_b])
+        replays += reused > 1
+    assert replays > 0
+
+
+def test_two_workers_replay_too():
+    pipe = tiny_pipeline()
+    pipe.memo = ReplayMemo()
+    pipe.workers = 2
+    generate(pipe, -math.inf)
+    result = generate(pipe, 0.0)
+    assert_same(result, generate(tiny_pipeline(), 0.0))
+
+
+@pytest.mark.parametrize("change", ["seed", "prompt", "embeds", "size", "mode", "aggregation", "crop", "model", "frames"])
+def test_any_other_change_never_replays(change):
+    pipe = tiny_pipeline()
+    pipe.memo = ReplayMemo()
+    generate(pipe, -math.inf)
+    kwargs = {}
+    if change == "seed":
+        kwargs["seed"] = 6
+    elif change == "prompt":
+        kwargs["prompt"] = "a blue cube"
+    elif change == "embeds":
+        kwargs["embeds_seed"] = 2
+    elif change == "size":
+        kwargs["width"] = WIDTH + 16
+    elif change == "mode":
+        kwargs["mode"] = "first_block_only"
+    elif change == "aggregation":
+        pipe.router.aggregation = "mean"
+    elif change == "crop":
+        pipe.router.crop = "full"
+    elif change == "model":
+        from wan_fixtures import tiny_wan
+
+        pipe.drafter.model = tiny_wan(seed=7)
+    if change == "frames":
+        pipe.router.tau = 0.0
+        result = pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=33, width=WIDTH, height=HEIGHT, seed=5)
+    else:
+        result = generate(pipe, 0.0, **kwargs)
+    assert result.report["replay"]["replayed_blocks"] == 0
+    assert not any(r.replayed for r in result.blocks)
+
+
+def test_memory_cap_is_honoured():
+    pipe = tiny_pipeline()
+    pipe.memo = ReplayMemo()
+    generate(pipe, -math.inf)
+    one = pipe.memo.nbytes
+    assert one > 0
+    pipe.memo = ReplayMemo(max_bytes=int(one * 1.5))  # room for one recording, not two
+    generate(pipe, -math.inf, seed=1)
+    generate(pipe, -math.inf, seed=2)
+    assert len(pipe.memo) == 1 and pipe.memo.nbytes <= pipe.memo.max_bytes
+    assert generate(pipe, 0.0, seed=2).report["replay"]["replayed_blocks"] >= 1
+    assert generate(pipe, 0.0, seed=1).report["replay"]["replayed_blocks"] == 0  # the oldest was dropped
+    tiny = ReplayMemo(max_bytes=10)
+    pipe.memo = tiny
+    assert not generate(pipe, 0.0).report["replay"]["kept_for_replay"]
+    assert len(tiny) == 0
+    with pytest.raises(ValueError, match="max_bytes"):
+        ReplayMemo(max_bytes=-1)
+
+
+def test_cancel_during_a_replayed_run_leaves_the_memo_usable():
+    taus = taus_for("global_cache")
+    pipe = tiny_pipeline()
+    pipe.memo = ReplayMemo()
+    generate(pipe, -math.inf)
+    token = CancelToken()
+    calls = []
+
+    def cancel_on_second_call(component, kind):
+        calls.append(component)
+        if len(calls) == 2:
+            token.cancel()
+
+    pipe.router.tau = math.inf
+    with pytest.raises(GenerationCancelled):
+        pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5,
+                      cancel=token, before_call=cancel_on_second_call)
+    for tau in taus:
+        assert_same(generate(pipe, tau), generate(tiny_pipeline(), tau))

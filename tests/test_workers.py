@@ -1,0 +1,161 @@
+"""The overlapped schedule (several workers) gives bit-identical outputs to the sequential one, and leaves no
+thread or state behind after a run, an error or a cancel."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from sdvg_engine.pipeline import CancelToken, GenerationCancelled, SDVGOptions
+from sdvg_engine.workers import Workers, plan_lanes
+from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, tiny_pipeline
+
+PROMPT = "a red ball rolling on grass"
+FRAMES = 45  # 4 blocks
+
+
+def run(pipe, workers, mode="sdvg", seed=5, **opts):
+    return pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=seed,
+                         options=SDVGOptions(mode=mode, **opts), workers=workers)
+
+
+def sdvg_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("sdvg-")]
+
+
+def assert_same(a, b):
+    assert torch.equal(a.frames, b.frames)
+    assert torch.equal(a.latents, b.latents)
+    assert torch.equal(a.acceptance_mask, b.acceptance_mask)
+    assert [r.source for r in a.blocks] == [r.source for r in b.blocks]
+    assert [r.decision.to_dict() if r.decision else None for r in a.blocks] == \
+        [r.decision.to_dict() if r.decision else None for r in b.blocks]
+
+
+@pytest.fixture(scope="module")
+def scores():
+    """The three drafts' scores when every draft is kept, to place tau between them."""
+    result = run(tiny_pipeline(tau=-math.inf), 1)
+    return sorted(b.decision.block_score for b in result.blocks[1:])
+
+
+CASES = [
+    ("sdvg", {}), ("random", {"random_accept_prob": 0.5}), ("first_block_only", {}), ("draft_only", {}),
+    ("target_only", {}), ("sdvg", {"refine_from_step": 2}), ("sdvg", {"cascade": True, "cascade_frames": 2}),
+]
+
+
+@pytest.mark.parametrize("scheme", ["global_cache", "recompute_window"])
+@pytest.mark.parametrize("mode,opts", CASES, ids=[f"{m}-{'-'.join(o) or 'plain'}" for m, o in CASES])
+def test_two_workers_equal_one(scores, scheme, mode, opts):
+    tau = (scores[0] + scores[1]) / 2  # a mix of accepts and rejects
+    sequential = run(tiny_pipeline(tau=tau, target_scheme=scheme), 1, mode, **opts)
+    overlapped = run(tiny_pipeline(tau=tau, target_scheme=scheme), 2, mode, **opts)
+    assert_same(sequential, overlapped)
+    assert overlapped.report["settings"]["workers"]["parallel"]
+    assert not sdvg_threads()
+    if mode == "sdvg" and not opts:
+        assert [r.source for r in sequential.blocks].count("draft") in (1, 2)  # the tau really splits the drafts
+        schedule = overlapped.report["schedule"]
+        assert schedule["speculative_target_blocks"] == 3  # every drafted block had the target working beside it
+        assert schedule["dropped_speculative_blocks"] == [r.source for r in overlapped.blocks].count("draft")
+
+
+@pytest.mark.parametrize("tau", [-math.inf, math.inf])
+def test_extreme_taus_with_two_workers(tau):
+    assert_same(run(tiny_pipeline(tau=tau), 1), run(tiny_pipeline(tau=tau), 2))
+
+
+def test_every_tau_of_a_sweep_is_identical(scores):
+    taus = [scores[0] - 1, (scores[0] + scores[1]) / 2, (scores[1] + scores[2]) / 2, scores[2] + 1]
+    for tau in taus:
+        assert_same(run(tiny_pipeline(tau=tau), 1), run(tiny_pipeline(tau=tau), 2))
+
+
+def test_cancel_during_speculation_then_rerun_equals_fresh(scores):
+    tau = (scores[1] + scores[2]) / 2
+    pipe = tiny_pipeline(tau=tau)
+    fresh = run(tiny_pipeline(tau=tau), 1)
+    token = CancelToken()
+    seen = []
+
+    def before_call(component, kind):
+        seen.append((threading.current_thread().name, component, kind))
+        # Cancel while the target works speculatively on block 2 (beside the draft's verification).
+        if component == "target" and kind == "denoise" and sum(1 for s in seen if s[1:] == ("target", "denoise")) == 10:
+            token.cancel()
+
+    with pytest.raises(GenerationCancelled):
+        pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5,
+                      options=SDVGOptions(), cancel=token, before_call=before_call, workers=2)
+    assert any(name.startswith("sdvg-") for name, _, _ in seen)  # the work really ran on worker threads
+    assert not sdvg_threads()
+    assert_same(run(pipe, 2), fresh)
+    assert_same(run(pipe, 1), fresh)
+
+
+def test_an_error_on_one_worker_stops_the_others_and_the_pipeline_stays_usable(scores):
+    pipe = tiny_pipeline(tau=(scores[0] + scores[1]) / 2)
+    fresh = run(tiny_pipeline(tau=(scores[0] + scores[1]) / 2), 1)
+    calls = []
+
+    def before_call(component, kind):
+        calls.append(component)
+        if component == "vae" and calls.count("vae") == 3:
+            raise RuntimeError("decoder failed")
+
+    with pytest.raises(RuntimeError, match="decoder failed"):
+        pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5,
+                      before_call=before_call, workers=2)
+    assert not sdvg_threads()
+    assert_same(run(pipe, 2), fresh)
+
+
+def test_lane_plans():
+    cpu = {c: torch.device("cpu") for c in ("drafter", "target", "vae", "reward")}
+    assert set(plan_lanes("sdvg", cpu, 1).values()) == {"main"}
+    assert set(plan_lanes("sdvg", cpu, "auto").values()) == {"main"}
+    two = plan_lanes("sdvg", cpu, 2)
+    assert two["target"] != two["drafter"] == two["vae"] == two["reward"]
+    draft_only = plan_lanes("draft_only", cpu, 2)
+    assert draft_only["drafter"] != draft_only["vae"]
+    gpus = {"drafter": torch.device("cuda:1"), "target": torch.device("cuda:0"), "vae": torch.device("cuda:1"),
+            "reward": torch.device("cuda:1")}
+    auto = plan_lanes("sdvg", gpus, "auto")
+    assert auto["target"] == "cuda:0" and auto["drafter"] == auto["vae"] == auto["reward"] == "cuda:1"
+    with Workers(auto) as parallel, Workers(plan_lanes("sdvg", gpus, 1)) as sequential:
+        assert parallel.speculates and parallel.parallel and not sequential.speculates
+    assert not sdvg_threads()
+    with pytest.raises(ValueError, match="workers must be"):
+        plan_lanes("sdvg", cpu, 0)
+
+
+def test_lazy_lane_runs_tasks_in_order_only_when_needed():
+    order = []
+    with Workers({c: "main" for c in ("drafter", "target", "vae", "reward")}) as workers:
+        a = workers.submit("drafter", lambda: order.append("a") or 1)
+        b = workers.submit("vae", lambda x: order.append("b") or x + 1, a)
+        c = workers.submit("target", lambda: order.append("c"))
+        assert order == []
+        assert workers.result(b) == 2 and order == ["a", "b"]
+        workers.finish()
+    assert order == ["a", "b", "c"]
+
+
+def test_a_slow_target_still_busy_with_a_dropped_block_does_not_spoil_the_next():
+    """The target keeps working on a dropped speculation while the next one is queued (a slow target): the next
+    speculation must not inherit the dropped one's stop signal (it would come back empty on a reject)."""
+    import time
+
+    def slow_target(component, kind):
+        if component == "target":
+            time.sleep(0.15)
+
+    seed, tau = 4, -3.0  # accept block 1, reject block 2: a reject right after a dropped speculation
+    kwargs = dict(prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=seed, before_call=slow_target)
+    sequential = tiny_pipeline(tau=tau).generate(prompt_embeds(), workers=1, **kwargs)
+    assert [b.source for b in sequential.blocks][1:3] == ["draft", "target"]
+    overlapped = tiny_pipeline(tau=tau).generate(prompt_embeds(), workers=2, **kwargs)
+    assert_same(sequential, overlapped)
+    assert overlapped.report["schedule"]["dropped_speculative_blocks"] >= 1
