@@ -628,7 +628,7 @@ def _video_suffix(args) -> str:
 def cmd_generate(args) -> int:
     from PIL import Image
 
-    from .pipeline import CancelToken, GenerationCancelled, SDVGOptions, video_frames_to_latent_frames
+    from .pipeline import CancelToken, GenerationCancelled, NonFiniteOutputError, SDVGOptions, video_frames_to_latent_frames
     from .video_io import atomic_output, mask_strip, write_video
 
     options = SDVGOptions(mode=args.mode, force_first_block=args.force_first_block, random_accept_prob=args.random_p,
@@ -639,8 +639,7 @@ def cmd_generate(args) -> int:
     suffix = _video_suffix(args)
     out, files, report_path = plan_generate_outputs(args, len(plan[0]), suffix)
     pairs = _contexts(args, plan)
-    pipe = build_pipeline(args)
-    out.mkdir(parents=True, exist_ok=True)
+    pipe = build_pipeline(args)  # --out is created by the first finished video, not before
 
     token = CancelToken()
 
@@ -662,6 +661,9 @@ def cmd_generate(args) -> int:
             except GenerationCancelled as err:
                 _print_err(f"sdvg generate: {err}; {len(reports)} finished video(s) kept in {out}")
                 return 130
+            except NonFiniteOutputError as err:  # name the files behind "the drafter's"/"the target's" output
+                raise NonFiniteOutputError(f"video {i + 1} ({prompt[:40]!r}): {err} Files: drafter {args.drafter}, "
+                                           f"target {args.target}.") from err
             video_path, mask_path = files[i]
             video = write_video(result.frames, video_path)  # temporary file + rename
             with atomic_output(mask_path) as tmp:
@@ -821,8 +823,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Failures that are the user's input or environment: reported in one line, exit status 2.
+#: Failures that are the user's input or environment: reported in one line, exit status 2 (plus the
+#: pipeline's NonFiniteOutputError, see :func:`_expected_errors`).
 EXPECTED_ERRORS = (ValueError, OSError)
+
+
+def _expected_errors() -> tuple:
+    """:data:`EXPECTED_ERRORS` and the pipeline's refusal of a NaN/inf block (imported only when something failed)."""
+    from . import pipeline
+
+    extra = getattr(pipeline, "NonFiniteOutputError", None)
+    return EXPECTED_ERRORS + ((extra,) if extra is not None else ())
 
 
 def _one_line(err: BaseException) -> str:
@@ -862,7 +873,7 @@ def main(argv=None) -> int:
         _print_err(f"sdvg {args.command}: error: out of memory ({_one_line(err)[:200]}); lower --width/--height/--frames, "
                    "use --fp8-target, or put the drafter/VAE on another device (--drafter-device/--aux-device)")
         return 2
-    except EXPECTED_ERRORS as err:
+    except _expected_errors() as err:
         if debug:
             import traceback
 

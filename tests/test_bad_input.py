@@ -63,6 +63,9 @@ def files(tmp_path_factory):
     # prompt-embeddings files
     from sdvg_engine.text_encoder import EMBEDDINGS_FORMAT
 
+    nan_weights = dict(state)
+    nan_weights["proj_out.bias"] = torch.full_like(state["proj_out.bias"], float("nan"))
+    save_file(nan_weights, str(bad / "nan_weights.safetensors"), metadata=meta)
     nan = prompt_embeds(1).clone()
     nan[0, 2, 5] = float("nan")
     save_file({"context.0": nan}, str(bad / "nan_context.safetensors"),
@@ -186,6 +189,9 @@ CLI_CASES = {
                          ["reward_truncated.safetensors", "truncated or corrupt"]),
     "vae-truncated": (lambda f: _models(f, vae=f / B / "truncated.safetensors"), ["truncated.safetensors"]),
     "vae-is-dit": (lambda f: _models(f, vae=f / "drafter.safetensors"), ["drafter.safetensors", "not a Wan VAE"]),
+    "target-nan-output": (lambda f: _models(f, target=f / B / "nan_weights.safetensors") + ["--mode", "target_only"],
+                          ["video 1 ('a red ball')", "block 0: the target's output is not finite", "Check the weights",
+                           "nan_weights.safetensors."]),
     # ---- inspect: fails exactly when a load would ----
     "inspect-empty": (lambda f: ["inspect", str(f / B / "empty.safetensors")], ["empty.safetensors", "empty (0 bytes)"]),
     "inspect-truncated": (lambda f: ["inspect", str(f / B / "truncated.safetensors")], ["truncated.safetensors"]),
@@ -240,11 +246,13 @@ def test_cli_bad_input(case, prepared, capsys):
     before = _digest(prepared)
     code = main(argv)
     err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    # Progress lines of a run that started ("video 1/2: ...", "[#.] block 1/2 ...") may precede the error line.
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("video ", "[", "  -> "))]
     assert code == 2, err
     assert "Traceback" not in err
     assert len(lines) == 1, err
     assert lines[0].startswith(f"sdvg {argv[0]}: error: "), lines[0]
+    assert err.rstrip("\n").endswith(lines[0])  # the error is the last thing said
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     assert _digest(prepared) == before  # no existing file changed, nothing new left behind
