@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointError", "read_tensor_file", "check_tensors", "check_float_weights", "check_finite",
+__all__ = ["CheckpointError", "missing_reason", "read_tensor_file", "check_tensors", "check_float_weights", "check_finite",
            "json_metadata", "sniff_format", "PICKLE_SUFFIXES"]
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
@@ -37,8 +37,22 @@ class CheckpointError(ValueError):
     """A file that cannot be used; the message names the file, the key (when one is at fault) and the fix."""
 
 
+def missing_reason(path: Path) -> str:
+    """Why ``path`` does not exist as far as this process can tell: ``"not found"``, or a folder on the way
+    that cannot be searched (``is_file()`` is then False for a file that is really there)."""
+    probe = Path(os.path.abspath(path)).parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.is_dir() and not os.access(probe, os.X_OK):
+        return f"cannot be reached: folder {probe} is not accessible (permission denied); fix its permissions"
+    return "not found"
+
+
 def _require_file(path: Path, what: str, hint: str) -> None:
     if not path.exists():
+        reason = missing_reason(path)
+        if reason != "not found":
+            raise CheckpointError(f"{path}: {reason}")
         raise FileNotFoundError(f"{what} not found: {path}" + (f". {hint}" if hint else ""))
     if path.is_dir():
         raise CheckpointError(f"{path}: is a folder, expected a {what} file" + (f". {hint}" if hint else ""))

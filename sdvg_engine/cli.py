@@ -335,9 +335,12 @@ for _name, _commands in (("--drafter", ("generate", "bench")), ("--target", ("ge
 def _input_problem(value) -> str | None:
     if value is None:
         return None
+    from .checkpoint_io import missing_reason
+
     path = Path(value).expanduser()
     if not path.exists():
-        return "not found; check the path"
+        reason = missing_reason(path)
+        return "not found; check the path" if reason == "not found" else reason
     return None
 
 

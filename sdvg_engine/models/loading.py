@@ -31,8 +31,8 @@ import torch
 
 from diffusers import WanTransformer3DModel
 
-from ..checkpoint_io import (CheckpointError, check_float_weights, check_tensors, json_metadata, read_tensor_file,
-                             sniff_format)
+from ..checkpoint_io import (CheckpointError, check_float_weights, check_tensors, json_metadata, missing_reason,
+                             read_tensor_file, sniff_format)
 from .causal_wan import CausalWanTransformer3DModel, architecture_name
 
 CONTEXT_SCHEMES = ("global_cache", "recompute_window")
@@ -220,6 +220,9 @@ def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) ->
     if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
         raise CheckpointError(f"{path}: num_heads (--num-heads) must be a positive integer, got {num_heads!r}")
     if not path.exists():
+        reason = missing_reason(path)
+        if reason != "not found":
+            raise CheckpointError(f"{path}: {reason}")
         raise FileNotFoundError(f"checkpoint not found: {path}")
     entry = None
     if path.is_dir():

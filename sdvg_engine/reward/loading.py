@@ -185,8 +185,6 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     from ..checkpoint_io import CheckpointError, check_float_weights, read_tensor_file
 
     p = Path(path).expanduser()
-    if not p.is_file() and not p.is_dir():
-        raise FileNotFoundError(f"ImageReward checkpoint not found: {str(path)!r}. {_HUB_HINT}")
     sd, _, _ = read_tensor_file(p, what="ImageReward checkpoint", hint=_HUB_HINT, entries=())
     if len(sd) == 1:
         (only_key, inner), = sd.items()
