@@ -626,6 +626,7 @@ def sampler_summary(report_json: str) -> str:
 __all__ = [
     "FPS", "SDVGModel", "SDVGRouter", "SamplerOutput", "Services", "build_router", "clear_reward_cache",
     "combo_options", "context_from_conditioning", "geometry_problem", "load_embeddings_node", "load_model_node",
-    "load_prompt_embedding", "load_reward_scorer", "check_model_name", "load_sdvg_model", "needed_inputs", "resolve_devices", "run_sampler",
+    "load_prompt_embedding", "load_reward_scorer",
+    "check_model_name", "load_sdvg_model", "needed_inputs", "resolve_devices", "run_sampler",
     "sampler_summary", "score_plot", "streaming_vae",
 ]

@@ -163,7 +163,9 @@ def load_text_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike |
         state[weight_key] = state[weight_key].float() * state.pop(key).float()
     layers = {int(k.split(".")[2]) for k in state if re.match(r"encoder\.block\.\d+\.", k)}
     if not layers or "shared.weight" not in state:
-        raise CheckpointError(f"{path}: no 'shared.weight' / 'encoder.block.*' keys; this is not a UMT5/T5 encoder file")
+        raise CheckpointError(f"{path}: no 'shared.weight' / 'encoder.block.*' keys; this is not a UMT5/T5 encoder file "
+                              "(pass umt5_xxl_fp16.safetensors / umt5_xxl_fp8_e4m3fn_scaled.safetensors or a "
+                              "transformers UMT5 folder)")
     needed = ["encoder.block.0.layer.0.SelfAttention.q.weight", "encoder.block.0.layer.1.DenseReluDense.wi_0.weight"]
     absent = [k for k in needed if k not in state]
     if absent or state["shared.weight"].ndim != 2:

@@ -381,7 +381,8 @@ def _select_vae_keys(state_dict: dict[str, torch.Tensor], path: Path) -> tuple[d
     sample = ", ".join(sorted(state_dict)[:5]) or "<no tensors>"
     raise ValueError(
         f"'{path}' is not a Wan VAE checkpoint: none of {_ORIGINAL_MARKER_KEYS} (original Wan/ComfyUI keys) or "
-        f"{_DIFFUSERS_MARKER_KEYS} (diffusers keys) was found. First keys: {sample}"
+        f"{_DIFFUSERS_MARKER_KEYS} (diffusers keys) was found. First keys: {sample}. "
+        "Pass Wan2.1_VAE.pth, wan_2.1_vae.safetensors or a diffusers VAE folder"
     )
 
 
