@@ -662,6 +662,8 @@ def cmd_generate(args) -> int:
                                        seed=args.seed + i, options=options, cancel=token,
                                        on_block=_progress(num_blocks, args.tau if args.mode == "sdvg" else None))
             except GenerationCancelled as err:
+                if reports:  # the finished videos form a complete set with their report (never a mix)
+                    _finish_outputs(args, out, files[: len(reports)], report_path, reports)
                 _print_err(f"sdvg generate: {err}; {len(reports)} finished video(s) kept in {out}")
                 return 130
             except NonFiniteOutputError as err:  # name the files behind "the drafter's"/"the target's" output
@@ -678,14 +680,19 @@ def cmd_generate(args) -> int:
                        f"speedup vs target {speed:.2f}x" if speed else f"  -> {video}")
     finally:
         signal.signal(signal.SIGINT, previous)
-    write_text_atomic(report_path, json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
-    if args.overwrite:  # an earlier, larger set in the same folder: remove its leftovers (never a mix)
-        keep = {p.name for pair in files for p in pair} | {report_path.name}
-        for stale in sorted(out.iterdir()):
-            if OUTPUT_NAME.match(stale.name) and stale.name not in keep and stale.is_file():
-                stale.unlink()
+    _finish_outputs(args, out, files, report_path, reports)
     print(f"wrote {len(reports)} video(s) to {out} and the report to {report_path}")
     return 0
+
+
+def _finish_outputs(args, out: Path, files: list[tuple[Path, Path]], report_path: Path, reports: list[dict]) -> None:
+    """Write the report (atomically); with ``--overwrite`` remove an earlier set's leftovers from ``out``."""
+    write_text_atomic(report_path, json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
+    if args.overwrite and out.is_dir():
+        keep = {p.resolve() for pair in files for p in pair} | {report_path.resolve()}
+        for stale in sorted(out.iterdir()):
+            if OUTPUT_NAME.match(stale.name) and stale.resolve() not in keep and stale.is_file():
+                stale.unlink()
 
 
 # ---- bench -------------------------------------------------------------------------------------------------

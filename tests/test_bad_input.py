@@ -414,3 +414,41 @@ def test_write_video_never_replaces_without_overwrite(tmp_path):
     assert target.read_bytes() == b"keep me"
     write_video(frames, target)
     assert target.read_bytes()[:4] == b"RIFF" and sorted(p.name for p in tmp_path.iterdir()) == ["v.webp"]
+
+
+_CTRL_C_DURING_SECOND_VIDEO = """
+import os, signal, sys
+import sdvg_engine.pipeline as pipeline
+from sdvg_engine.cli import main
+
+real = pipeline.SpeculativePipeline.generate
+calls = []
+
+def generate(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C once while video 2 starts
+    return real(self, *args, **kwargs)
+
+pipeline.SpeculativePipeline.generate = generate
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_subprocess_ctrl_c_keeps_a_complete_set(prepared, tmp_path):
+    """Ctrl-C during video 2 of 2 with --overwrite over a 3-video run: exit 130; the folder holds video 1, its mask
+    and a report of that one video, and none of the earlier run's files (never a mix); other files are kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("video_000.webp", "video_001.webp", "video_002.webp", "mask_001.png", "report.json"):
+        (out / name).write_bytes(b"old")
+    (out / "notes.txt").write_text("mine")
+    argv = [sys.executable, "-c", _CTRL_C_DURING_SECOND_VIDEO,
+            *_gen(prepared, "--mode", "target_only", "--overwrite", vae=prepared / "vae", out=out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=180)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("sdvg generate: generation cancelled before a target call; "
+                                                    f"1 finished video(s) kept in {out}")
+    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "notes.txt", "report.json", "video_000.webp"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["mode"] == "target_only" and report["video"] == str(out / "video_000.webp")
