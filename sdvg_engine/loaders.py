@@ -26,17 +26,33 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloat16", device="cpu",
                    context_scheme: str = "auto", schedule: str = "auto", fp8: bool = False,
                    num_heads: int | None = None, max_frames: int = 21, attention_bias: float | None = None,
-                   anchor_encoder=None, fuse_qkv: bool = False, compile: bool = False) -> CausalGenerator:
+                   anchor_encoder=None, fuse_qkv: bool = False, compile: bool = False,
+                   offload: "bool | str" = "none", kv_dtype: str = "auto") -> CausalGenerator:
     """Load a causal Wan checkpoint and wrap it as a :class:`CausalGenerator`.
 
     ``context_scheme="auto"`` takes the scheme the checkpoint was trained with (14B Krea: recompute
     window; Self-Forcing 1.3B: global cache); ``schedule="auto"`` takes the schedule the weights were
     distilled for (``krea``'s 5 calls for the 14B, ``self_forcing``'s 4 otherwise). ``fuse_qkv``
     fuses the attention projections and ``compile`` wraps the block forward in ``torch.compile``
-    (inference only; see ``bench/bench_speed.py`` for their effect).
+    (inference only; see ``bench/bench_speed.py`` for their effect). ``offload="blocks"`` (or ``True``)
+    keeps the transformer blocks in CPU RAM and streams them to the CUDA ``device`` per call;
+    ``kv_dtype="fp8"`` stores the KV cache in float8 (see ``sdvg_engine/offload.py``, ``docs/memory.md``).
     """
-    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device=device, num_heads=num_heads,
-                                  fp8=fp8, fuse_qkv=fuse_qkv, compile=compile)
+    from .offload import check_offload_device, enable_block_offload, kv_cache_dtype
+
+    if offload not in (False, True, "none", "blocks"):
+        raise ValueError(f"offload must be 'none' or 'blocks' (or a bool), got {offload!r}")
+    streamed = offload in (True, "blocks")
+    if streamed:
+        check_offload_device(device, f"the {name}")
+        if compile:
+            raise ValueError("offload and compile cannot be combined (torch.compile does not follow the weight swaps)")
+    kv = kv_cache_dtype(kv_dtype)
+    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device="cpu" if streamed else device,
+                                  num_heads=num_heads, fp8=fp8, fuse_qkv=fuse_qkv, compile=compile)
+    model.kv_cache_dtype = kv
+    if streamed:
+        enable_block_offload(model, device)
     scheme_name = info.context_scheme if context_scheme == "auto" else context_scheme
     if scheme_name not in CONTEXT_SCHEMES:
         raise ValueError(f"context_scheme must be 'auto' or one of {CONTEXT_SCHEMES}, got {context_scheme!r}")
