@@ -397,3 +397,35 @@ def plan_memory(vram_gb: float, *, width: int = 832, height: int = 480, frames: 
                             drafter_frames=6 if step["drafter_context"] == "recompute_window" else (frames - 1) // 4 + 1)
     return MemorySettings(vram_gb=float(vram_gb), fits=total <= vram_gb, total_gib=total, components=comp,
                           slowdown=slow, **step)
+
+
+def resolve_memory_args(args) -> tuple[str, str]:
+    """``sdvg generate``'s ``--vram-gb`` / ``--offload`` / ``--kv-dtype`` -> ``(offload, kv_dtype)``.
+
+    With ``--vram-gb N`` the plan's settings fill every memory flag the user left at its default
+    (``--fp8-target``, ``--vae-dtype``, ``--drafter-context``, ``--offload``, ``--kv-dtype``); explicit
+    ``--offload`` / ``--kv-dtype`` win. The chosen plan is printed to stderr.
+    """
+    import sys
+
+    offload, kv_dtype = getattr(args, "offload", None), getattr(args, "kv_dtype", None)
+    vram = getattr(args, "vram_gb", None)
+    if vram is not None:
+        if torch.device(args.device).type != "cuda":
+            raise SystemExit(f"--vram-gb plans one CUDA card, but --device is {args.device!r}; drop --vram-gb on the CPU")
+        if args.drafter_device or args.aux_device:
+            raise SystemExit("--vram-gb plans ONE card holding every model; it cannot be combined with "
+                             "--drafter-device / --aux-device (two-card placement)")
+        plan = plan_memory(vram, width=args.width, height=args.height, frames=args.frames)
+        if not plan.fits:
+            raise SystemExit(f"--vram-gb {vram:g}: even the smallest plan ({plan.flags}) needs {plan.total_gib:.1f} GiB "
+                             f"at {args.width}x{args.height}x{args.frames}; use a smaller size or a second card")
+        args.fp8_target = args.fp8_target or plan.fp8_target
+        if args.vae_dtype == "fp32":
+            args.vae_dtype = plan.vae_dtype
+        if args.drafter_context == "auto":
+            args.drafter_context = plan.drafter_context
+        offload = offload or plan.offload
+        kv_dtype = kv_dtype or plan.kv_dtype
+        print(f"--vram-gb {vram:g}: {plan.flags} (planned peak {plan.total_gib:.1f} GiB)", file=sys.stderr)
+    return offload or "none", kv_dtype or "auto"
