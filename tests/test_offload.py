@@ -178,3 +178,69 @@ def test_cuda_streamed_matches_resident():
     got = _three_blocks(CausalGenerator(streamed, schedule="self_forcing", context=GlobalCache(21)))
     for a, b in zip(want, got):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+# ------------------------------------------------------------------------------------------- ComfyUI adapter (logic)
+def _node_stack(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the pack root, for `nodes`
+    from node_fixtures import DRAFTER_FILE, EMBEDDINGS_FILE, TARGET_FILE, write_tiny_models
+    from nodes import logic
+
+    write_tiny_models(tmp_path)
+    folders = {name: [str(tmp_path / name)] for name in ("diffusion_models", "sdvg_reward", "sdvg_embeddings")}
+    return logic, folders, DRAFTER_FILE, TARGET_FILE, EMBEDDINGS_FILE
+
+
+def test_loader_node_refuses_offload_on_cpu(tmp_path):
+    logic, folders, _, target_file, _ = _node_stack(tmp_path)
+    svc = logic.Services(folders)
+    with pytest.raises(ValueError, match="streams the target's transformer blocks from CPU RAM to a CUDA GPU, but the "
+                                         "target runs on 'cpu'"):
+        logic.load_model_node(target_file, "fp8", "cpu", "auto", role="target", services=svc, offload="blocks")
+    with pytest.raises(ValueError, match=r"offload must be one of \('none', 'blocks'\), got 'all'"):
+        logic.load_model_node(target_file, "fp8", "cpu", "auto", role="target", services=svc, offload="all")
+
+
+def test_offloaded_models_load_run_interrupt_and_unload_through_the_node_logic(tmp_path, monkeypatch):
+    """The node path with the streamer on CPU->CPU (the CUDA guard bypassed): the memory manager gets only the
+    resident part, a run matches the resident models exactly, an interrupt leaves no block loaded, unload works."""
+    from node_fixtures import FakeComfyVAE
+
+    logic, folders, drafter_file, target_file, embeddings_file = _node_stack(tmp_path)
+    monkeypatch.setattr(logic, "check_offload_device", lambda device, what: device)
+    svc = logic.Services(folders)
+    positive, prompt = logic.load_embeddings_node(embeddings_file, 0, services=svc)
+    runs = {}
+    for offload in ("none", "blocks"):
+        drafter = logic.load_model_node(drafter_file, "fp32", "cpu", "auto", role="drafter", services=svc, offload=offload)
+        target = logic.load_model_node(target_file, "fp8", "cpu", "auto", role="target", services=svc, offload=offload)
+        out = logic.run_sampler(drafter=drafter, target=target, router=None, positive=positive, vae=FakeComfyVAE(),
+                                reward_prompt=prompt, width=48, height=32, length=21, seed=3, mode="random",
+                                random_accept_prob=0.5, services=svc)
+        runs[offload] = (out, drafter, target)
+    assert torch.equal(runs["none"][0].frames, runs["blocks"][0].frames)
+    _, drafter, target = runs["blocks"]
+    assert isinstance(target.holder.module, ResidentPart) and target.describe()["offload"] == "blocks"
+    managed = {n for n, _ in target.holder.named_parameters()}
+    assert managed and not any(".blocks." in n for n in managed)  # the memory manager never moves the blocks
+    streamer = target.model.block_hooks
+    assert streamer.loaded == set() and streamer.onloads > 0
+
+    class Interrupting(logic.Services):
+        calls = 0
+
+        def check_interrupt(self):
+            Interrupting.calls += 1
+            if Interrupting.calls > 3:
+                raise KeyboardInterrupt("interrupted by the test")
+
+    with pytest.raises(KeyboardInterrupt):
+        logic.run_sampler(drafter=drafter, target=target, router=None, positive=positive, vae=FakeComfyVAE(),
+                          reward_prompt=prompt, width=48, height=32, length=21, seed=3, mode="random",
+                          random_accept_prob=0.5, services=Interrupting(folders))
+    assert streamer.loaded == set()
+    target.patcher.model.to("cpu")  # unload through the handle the memory manager holds
+    assert streamer.loaded == set() and target.model.device.type == "cpu"
