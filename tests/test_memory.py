@@ -194,3 +194,33 @@ def test_cli_parses_the_memory_flags():
     args = build_parser().parse_args(["generate", "--drafter", "d", "--target", "t", "--vae", "v", "--vram-gb", "24",
                                       "--offload", "both", "--kv-dtype", "fp8"])
     assert (args.vram_gb, args.offload, args.kv_dtype) == (24.0, "both", "fp8")
+
+
+# ------------------------------------------------------------------------------------------------------ bench scripts
+def _bench(script, *args):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    return subprocess.run([sys.executable, str(root / "bench" / script), *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_memory_plan_prints_the_single_card_rows():
+    proc = _bench("memory_plan.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for gb in (24, 16, 12):
+        plan = plan_memory(gb)
+        assert f"| {gb} GB (" in out and f"`--vram-gb {gb}` = `{plan.flags}`" in out and f"| {plan.total_gib:.1f} |" in out
+    assert "| 8 GB (RTX 4060 8GB, 12 TFLOP/s) | **no** |" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_real_size_offload_refuses_without_cuda():
+    proc = _bench("real_size.py", "--offload", "target")
+    assert proc.returncode == 2
+    assert "--offload streams transformer blocks from CPU RAM to a CUDA GPU, and no CUDA device is visible; use --tiny" in proc.stderr
