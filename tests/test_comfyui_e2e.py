@@ -326,3 +326,16 @@ def test_text_encoder_workflows_validate(server, name):
         assert error["exception_type"].endswith("ValueError")
     else:
         assert error["node_type"] in ("CLIPLoader", "CLIPTextEncode"), error
+
+
+def test_offload_on_a_cpu_server_is_refused_by_the_loader(server):
+    """``offload=blocks`` streams blocks to a CUDA GPU; ComfyUI --cpu gets the loader's explanation, and the
+    next run (offload none) works. (The streaming itself is tested on the node logic: tests/test_offload.py.)"""
+    prompt = api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=8)
+    prompt[node_id(prompt, "SDVGLoadTarget")]["inputs"]["offload"] = "blocks"
+    entry = server.wait(server.queue(prompt))
+    errors = messages(entry, "execution_error")
+    assert entry["status"]["status_str"] == "error" and errors and errors[0]["node_type"] == "SDVGLoadTarget"
+    assert "streams the target's transformer blocks from CPU RAM to a CUDA GPU" in errors[0]["exception_message"]
+    again = server.wait(server.queue(api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=8)))
+    assert again["status"]["status_str"] == "success"
