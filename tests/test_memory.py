@@ -224,3 +224,16 @@ def test_real_size_offload_refuses_without_cuda():
     proc = _bench("real_size.py", "--offload", "target")
     assert proc.returncode == 2
     assert "--offload streams transformer blocks from CPU RAM to a CUDA GPU, and no CUDA device is visible; use --tiny" in proc.stderr
+
+
+def test_fp8_cache_reads_equal_dequantize_rows():
+    g = CacheGeometry(1, 1, 2, 128, 4, 3, torch.float8_e4m3fn, torch.device("cpu"), torch.bfloat16)
+    cache = KVCache(g)
+    k0, v0 = torch.randn(1, 2, 8, 128).bfloat16(), torch.randn(1, 2, 8, 128).bfloat16() * 5
+    cache.write_and_read(0, 0, k0, v0)
+    k1, v1 = torch.randn(1, 2, 4, 128).bfloat16(), torch.randn(1, 2, 4, 128).bfloat16()
+    k, v = cache.write_and_read(0, 2, k1, v1)
+    assert k.dtype == v.dtype == torch.bfloat16 and k.shape == (1, 2, 12, 128)
+    for got, first, new in ((k, k0, k1), (v, v0, v1)):
+        assert torch.equal(got[:, :, :8], dequantize_rows(*quantize_rows(first), torch.bfloat16))
+        assert torch.equal(got[:, :, 8:], new)

@@ -118,7 +118,11 @@ class KVCache:
             # Earlier frames come back dequantized; the block's own rows are used as computed.
             full = torch.empty(new.shape[:2] + (end, new.shape[3]), dtype=self.geometry.compute_dtype, device=new.device)
             if begin:
-                full[:, :, :begin] = dequantize_rows(store[layer, :, :, :begin], scales[layer, :, :, :begin], full.dtype)
+                # fp8 -> compute dtype is exact; the in-place multiply computes in float32 and rounds once, so
+                # this equals dequantize_rows() without a float32 copy of the prefix.
+                prefix = full[:, :, :begin]
+                prefix.copy_(store[layer, :, :, :begin])
+                prefix.mul_(scales[layer, :, :, :begin])
             full[:, :, begin:end] = new
             out.append(full)
         return out[0], out[1]
