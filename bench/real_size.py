@@ -77,13 +77,14 @@ def build_stack(args, device):
     drafter, target = dit(drafter_cfg), dit(target_cfg)
     if args.fp8 and not args.tiny:
         quantize_blocks_fp8(target)
-    from sdvg_engine.offload import enable_block_offload, kv_cache_dtype
+    if args.offload != "none" or args.kv_dtype != "auto":
+        from sdvg_engine.offload import enable_block_offload, kv_cache_dtype
 
-    for model, streamed in ((drafter, args.offload == "both"), (target, args.offload in ("target", "both"))):
-        model.kv_cache_dtype = kv_cache_dtype(args.kv_dtype)
-        if streamed:
-            model.blocks.to("cpu")
-            enable_block_offload(model, device, use_stream=device.type == "cuda")
+        for model, streamed in ((drafter, args.offload == "both"), (target, args.offload in ("target", "both"))):
+            model.kv_cache_dtype = kv_cache_dtype(args.kv_dtype)
+            if streamed:
+                model.blocks.to("cpu")
+                enable_block_offload(model, device, use_stream=device.type == "cuda")
     vae_module = AutoencoderKLWan(base_dim=8 if args.tiny else 96).to(device).eval().requires_grad_(False)
     vae = StreamingWanVAE(vae_module)
     if args.tiny:

@@ -237,3 +237,19 @@ def test_fp8_cache_reads_equal_dequantize_rows():
     for got, first, new in ((k, k0, k1), (v, v0, v1)):
         assert torch.equal(got[:, :, :8], dequantize_rows(*quantize_rows(first), torch.bfloat16))
         assert torch.equal(got[:, :, 8:], new)
+
+
+def test_generate_with_offload_on_the_cpu_fails_with_the_explanation(tmp_path, capsys):
+    from sdvg_engine.cli import main
+    from sdvg_fixtures import write_checkpoint_files
+
+    root = write_checkpoint_files(tmp_path)
+    common = ["generate", "--drafter", str(root / "drafter.safetensors"), "--target", str(root / "target.safetensors"),
+              "--vae", str(root / "vae"), "--context-file", str(root / "embeds.safetensors"), "--mode", "target_only",
+              "--device", "cpu", "--dtype", "fp32", "--frames", "9", "--width", "48", "--height", "32",
+              "--out", str(tmp_path / "out")]
+    assert main(common + ["--offload", "both"]) != 0
+    assert ("streams the drafter's transformer blocks from CPU RAM to a CUDA GPU, but the drafter runs on 'cpu'"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit, match="--vram-gb plans one CUDA card, but --device is 'cpu'"):
+        main(common + ["--vram-gb", "24"])
