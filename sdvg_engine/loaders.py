@@ -38,21 +38,11 @@ def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloa
     keeps the transformer blocks in CPU RAM and streams them to the CUDA ``device`` per call;
     ``kv_dtype="fp8"`` stores the KV cache in float8 (see ``sdvg_engine/offload.py``, ``docs/memory.md``).
     """
-    from .offload import check_offload_device, enable_block_offload, kv_cache_dtype
+    from .offload import apply_memory_options, load_device_for
 
-    if offload not in (False, True, "none", "blocks"):
-        raise ValueError(f"offload must be 'none' or 'blocks' (or a bool), got {offload!r}")
-    streamed = offload in (True, "blocks")
-    if streamed:
-        check_offload_device(device, f"the {name}")
-        if compile:
-            raise ValueError("offload and compile cannot be combined (torch.compile does not follow the weight swaps)")
-    kv = kv_cache_dtype(kv_dtype)
-    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device="cpu" if streamed else device,
-                                  num_heads=num_heads, fp8=fp8, fuse_qkv=fuse_qkv, compile=compile)
-    model.kv_cache_dtype = kv
-    if streamed:
-        enable_block_offload(model, device)
+    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), num_heads=num_heads, fp8=fp8, fuse_qkv=fuse_qkv,
+                                  compile=compile, device=load_device_for(offload, device, name, compile, kv_dtype))
+    apply_memory_options(model, device, offload=offload, kv_dtype=kv_dtype)
     scheme_name = info.context_scheme if context_scheme == "auto" else context_scheme
     if scheme_name not in CONTEXT_SCHEMES:
         raise ValueError(f"context_scheme must be 'auto' or one of {CONTEXT_SCHEMES}, got {context_scheme!r}")

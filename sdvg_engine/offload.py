@@ -61,6 +61,31 @@ def check_offload_device(device: "str | torch.device", what: str = "the model") 
     return device
 
 
+def _streams(offload) -> bool:
+    if offload not in (False, True, "none", "blocks"):
+        raise ValueError(f"offload must be 'none' or 'blocks' (or a bool), got {offload!r}")
+    return offload in (True, "blocks")
+
+
+def load_device_for(offload, device, name: str = "model", compile: bool = False, kv_dtype: str = "auto") -> "str | torch.device":
+    """Where ``load_generator`` loads the weights: the CPU for a streamed model (after checking that streaming
+    can work on ``device``), else ``device``. Validates ``offload`` and ``kv_dtype`` before any loading."""
+    kv_cache_dtype(kv_dtype)
+    if not _streams(offload):
+        return device
+    check_offload_device(device, f"the {name}")
+    if compile:
+        raise ValueError("offload and compile cannot be combined (torch.compile does not follow the weight swaps)")
+    return "cpu"
+
+
+def apply_memory_options(model, device, *, offload="none", kv_dtype: str = "auto") -> None:
+    """``load_generator``'s ``offload`` / ``kv_dtype`` on a loaded model (see :func:`load_device_for`)."""
+    model.kv_cache_dtype = kv_cache_dtype(kv_dtype)
+    if _streams(offload):
+        enable_block_offload(model, device)
+
+
 class BlockStreamer:
     """``before(layer)`` / ``after(layer)`` for :attr:`CausalWanTransformer3DModel.block_hooks`.
 
