@@ -214,9 +214,9 @@ def enable_block_offload(model, device: "str | torch.device", *, offload_device:
 
     holder = torch.nn.Module()  # group only the blocks: the rest stays where it is (resident)
     holder.blocks = model.blocks
+    extra = {} if disk_path is None else {"offload_to_disk_path": disk_path}  # diffusers >= 0.35
     apply_group_offloading(holder, onload_device=device, offload_device=offload_device, offload_type="block_level",
-                           num_blocks_per_group=1, use_stream=use_stream, record_stream=use_stream,
-                           offload_to_disk_path=disk_path)
+                           num_blocks_per_group=1, use_stream=use_stream, record_stream=use_stream, **extra)
     groups = [block._diffusers_hook.get_hook(_GROUP_HOOK).group for block in model.blocks]
     streamer = BlockStreamer(groups, stream=groups[0].stream if groups else None)
     model.block_hooks = streamer
