@@ -244,3 +244,15 @@ def test_offloaded_models_load_run_interrupt_and_unload_through_the_node_logic(t
     assert streamer.loaded == set()
     target.patcher.model.to("cpu")  # unload through the handle the memory manager holds
     assert streamer.loaded == set() and target.model.device.type == "cpu"
+
+
+def test_loader_node_kv_dtype_reaches_the_cache(tmp_path):
+    logic, folders, drafter_file, _, embeddings_file = _node_stack(tmp_path)
+    svc = logic.Services(folders)
+    model = logic.load_model_node(drafter_file, "fp32", "cpu", "auto", role="drafter", services=svc, kv_dtype="fp8")
+    assert model.describe()["kv_dtype"] == "fp8" and "offload" not in model.describe()
+    gen = model.new_generator()
+    gen.start(text_context(), latent_height=H, latent_width=W, num_blocks=1)
+    assert gen.kv_cache.keys.dtype == torch.float8_e4m3fn and gen.kv_cache.geometry.compute_dtype == torch.float32
+    with pytest.raises(ValueError, match=r"kv_dtype must be one of \('auto', 'fp8'\), got 'int4'"):
+        logic.load_model_node(drafter_file, "fp32", "cpu", "auto", role="drafter", services=svc, kv_dtype="int4")

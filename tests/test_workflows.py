@@ -139,8 +139,8 @@ def test_checker_catches_broken_api_workflows():
 # ----------------------------------------------------------------------------------------- schema contracts
 #: Widget order per node, as saved in users' workflows: append optional inputs only, never reorder.
 FROZEN_WIDGETS = {
-    "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme", "offload"],
-    "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme", "offload"],
+    "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme", "offload", "kv_dtype"],
+    "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme", "offload", "kv_dtype"],
     "SDVGRewardRouter": ["reward_model", "tau", "aggregation", "crop", "temporal_weight"],
     "SDVGSpeculativeSampler": ["reward_prompt", "width", "height", "length", "seed", "mode", "force_first_block",
                                "refine_from_step", "cascade", "random_accept_prob"],
