@@ -121,9 +121,9 @@ class SDVGLoadDrafter(io.ComfyNode):
         return build_schema(schema.LOAD_DRAFTER)
 
     @classmethod
-    def execute(cls, ckpt_name, dtype, device, context_scheme) -> io.NodeOutput:
+    def execute(cls, ckpt_name, dtype, device, context_scheme, offload="none", kv_dtype="auto") -> io.NodeOutput:
         return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="drafter",
-                                                   services=ComfyServices()))
+                                                   services=ComfyServices(), offload=offload, kv_dtype=kv_dtype))
 
 
 class SDVGLoadTarget(io.ComfyNode):
@@ -132,9 +132,9 @@ class SDVGLoadTarget(io.ComfyNode):
         return build_schema(schema.LOAD_TARGET)
 
     @classmethod
-    def execute(cls, ckpt_name, dtype, device, context_scheme) -> io.NodeOutput:
+    def execute(cls, ckpt_name, dtype, device, context_scheme, offload="none", kv_dtype="auto") -> io.NodeOutput:
         return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="target",
-                                                   services=ComfyServices()))
+                                                   services=ComfyServices(), offload=offload, kv_dtype=kv_dtype))
 
 
 class SDVGRewardRouter(io.ComfyNode):

@@ -28,6 +28,7 @@ from sdvg_engine.vae import wan_vae_from_state_dict
 from sdvg_engine.context import make_context_scheme
 from sdvg_engine.generator import CausalGenerator
 from sdvg_engine.loaders import load_generator, parse_dtype
+from sdvg_engine.offload import ResidentPart, check_offload_device, enable_block_offload
 from sdvg_engine.pipeline import SDVGOptions, SDVGResult, SpeculativePipeline, video_frames_to_latent_frames
 from sdvg_engine.reward import ImageRewardScorer, load_image_reward
 from sdvg_engine.router import RewardRouter
@@ -168,20 +169,39 @@ class SDVGModel:
 
     def describe(self) -> dict:
         return {"file": os.path.basename(self.path), "architecture": self.info.architecture, "dtype": self.dtype,
-                "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule}
+                "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule,
+                **({"offload": "blocks"} if getattr(self.model, "block_hooks", None) is not None else {}),
+                **({"kv_dtype": "fp8"} if getattr(self.model, "kv_cache_dtype", None) == torch.float8_e4m3fn else {})}
 
 
 def load_sdvg_model(path: str, *, role: str, dtype: str = "bf16", device: str = "auto",
-                    context_scheme: str = "auto", services: Services | None = None) -> SDVGModel:
-    """Load a drafter or target checkpoint (the work of SDVGLoadDrafter / SDVGLoadTarget)."""
+                    context_scheme: str = "auto", services: Services | None = None, offload: str = "none",
+                    kv_dtype: str = "auto") -> SDVGModel:
+    """Load a drafter or target checkpoint (the work of SDVGLoadDrafter / SDVGLoadTarget).
+
+    ``offload="blocks"``: the blocks stay in CPU RAM and stream to the load device per call
+    (``sdvg_engine/offload.py``); the memory manager then handles only the resident rest.
+    """
     services = services or Services()
     if context_scheme not in schema.CONTEXT_SCHEMES:
         raise ValueError(f"context_scheme must be one of {schema.CONTEXT_SCHEMES}, got {context_scheme!r}")
+    if offload not in schema.OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {schema.OFFLOAD_MODES}, got {offload!r}")
+    if kv_dtype not in schema.KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {schema.KV_DTYPES}, got {kv_dtype!r}")
     fp8 = dtype == "fp8"
     torch_dtype = torch.bfloat16 if fp8 else parse_dtype(dtype)
     load_device, offload_device = resolve_devices(device, services)
-    gen = load_generator(path, name=role, dtype=torch_dtype, device=offload_device, context_scheme=context_scheme, fp8=fp8)
-    holder = ModuleHolder(gen.model, device=offload_device)
+    if offload == "blocks":
+        check_offload_device(load_device, f"the {role}")
+    gen = load_generator(path, name=role, dtype=torch_dtype, device=offload_device, context_scheme=context_scheme, fp8=fp8,
+                         kv_dtype=kv_dtype)
+    managed = gen.model
+    if offload == "blocks":  # ComfyUI moves the resident part; the streamer moves the blocks
+        streamer = enable_block_offload(gen.model, load_device, offload_device=offload_device,
+                                        use_stream=load_device.type == "cuda", move_resident=False)
+        managed = ResidentPart(gen.model, streamer)
+    holder = ModuleHolder(managed, device=offload_device)
     return SDVGModel(
         model=gen.model, info=gen.info, path=str(path), role=role, dtype=dtype, context_scheme=gen.context.name,
         schedule=gen.schedule.name, load_device=load_device, offload_device=offload_device, holder=holder,
@@ -190,9 +210,10 @@ def load_sdvg_model(path: str, *, role: str, dtype: str = "bf16", device: str = 
 
 
 def load_model_node(ckpt_name: str, dtype: str, device: str, context_scheme: str, *, role: str,
-                    services: Services) -> SDVGModel:
+                    services: Services, offload: str = "none", kv_dtype: str = "auto") -> SDVGModel:
     path = services.resolve(schema.DRAFTER_FOLDERS, ckpt_name)
-    return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services)
+    return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services,
+                           offload=offload, kv_dtype=kv_dtype)
 
 
 # =========================================================================================================== router

@@ -105,6 +105,12 @@ class NodeSpec:
         return tuple(i for i in self.inputs if i.is_widget)
 
 
+#: the loaders' ``offload`` input (appended, optional): stream the transformer blocks from CPU RAM
+OFFLOAD_MODES = ("none", "blocks")
+#: the loaders' ``kv_dtype`` input (appended, optional)
+KV_DTYPES = ("auto", "fp8")
+
+
 def _model_loader(node_id: str, display: str, role: str, dtypes: tuple[str, ...], description: str) -> NodeSpec:
     dtype_tip = (
         "Weight dtype. bf16 is the models' native precision; fp16 may overflow; fp32 doubles memory."
@@ -128,6 +134,14 @@ def _model_loader(node_id: str, display: str, role: str, dtypes: tuple[str, ...]
                       tooltip="How the model sees earlier frames. auto = what the checkpoint was trained with "
                               "(Self-Forcing 1.3B: global_cache, up to 81 frames; Krea 14B: recompute_window, any "
                               "length). The denoising schedule follows the weights (14B Krea: 5 calls; 1.3B Self-Forcing: 4)."),
+            InputSpec("offload", "COMBO", options=OFFLOAD_MODES, default="none", optional=True,
+                      tooltip="blocks = keep the transformer blocks in CPU RAM (pinned) and stream them to the GPU one "
+                              "block ahead of use, overlapping compute: the 14B fp8 target then needs ~1.5 GB of VRAM "
+                              "instead of ~14 GB, at a small slowdown (docs/memory.md). CUDA only. none = all on the GPU."),
+            InputSpec("kv_dtype", "COMBO", options=KV_DTYPES, default="auto", optional=True,
+                      tooltip="Storage of the attention KV cache. auto = the model's dtype; fp8 = float8 with a scale "
+                              "per row, about half the memory (the 14B's 832x480 window: 7.5 -> 4.1 GB), attention still "
+                              "in bf16; measured error ~0.6% of the latents (docs/memory.md)."),
         ),
         outputs=(OutputSpec("model", SDVG_MODEL, f"The loaded {role} (shared by runs; never modified by the sampler)."),),
     )

@@ -118,14 +118,18 @@ def build_pipeline(args):
     from .router import RewardRouter
     from .vae import load_wan_vae
 
+    from .offload import resolve_memory_args
+
+    offload, kv_dtype = resolve_memory_args(args)  # --vram-gb / --offload / --kv-dtype (docs/memory.md)
     aux = args.aux_device or args.device
     vae = load_wan_vae(args.vae, device=aux, dtype=parse_dtype(args.vae_dtype))
     drafter = load_generator(args.drafter, name="drafter", dtype=args.dtype, device=args.drafter_device or args.device,
                              context_scheme=args.drafter_context, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv,
-                             compile=args.compile)
+                             compile=args.compile, offload="blocks" if offload == "both" else "none", kv_dtype=kv_dtype)
     target = load_generator(args.target, name="target", dtype=args.dtype, device=args.device, fp8=args.fp8_target,
                             context_scheme=args.target_context, schedule=args.target_schedule, max_frames=args.max_frames,
-                            attention_bias=args.attention_bias, fuse_qkv=args.fuse_qkv, compile=args.compile)
+                            attention_bias=args.attention_bias, fuse_qkv=args.fuse_qkv, compile=args.compile,
+                            offload="none" if offload == "none" else "blocks", kv_dtype=kv_dtype)
     router = None
     if args.reward:
         from .reward import load_image_reward
@@ -310,6 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs")
     p.add_argument("--format", choices=("mp4", "webp"), default=None)
     p.add_argument("--report", default=None, help="report JSON path (default OUT/report.json)")
+    # one consumer GPU (docs/memory.md)
+    p.add_argument("--vram-gb", type=float, default=None,
+                   help="plan for ONE card of this many GiB (e.g. 24, 16): sets --fp8-target, --offload, --kv-dtype, "
+                        "--vae-dtype, --drafter-context (flags given explicitly win); prints the plan")
+    p.add_argument("--offload", choices=("none", "target", "both"), default=None,
+                   help="stream the target's (both: and the drafter's) transformer blocks from CPU RAM to the GPU per "
+                        "call (pinned memory, copies overlap compute; CUDA only)")
+    p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp16", "fp32", "fp8"), default=None,
+                   help="KV cache storage: auto = the model dtype; fp8 = float8 with per-row scales (about half the memory)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="prompts x tau values x modes -> resumable JSONL, summary table, Pareto plot "

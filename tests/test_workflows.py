@@ -139,8 +139,8 @@ def test_checker_catches_broken_api_workflows():
 # ----------------------------------------------------------------------------------------- schema contracts
 #: Widget order per node, as saved in users' workflows: append optional inputs only, never reorder.
 FROZEN_WIDGETS = {
-    "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme"],
-    "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme"],
+    "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme", "offload", "kv_dtype"],
+    "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme", "offload", "kv_dtype"],
     "SDVGRewardRouter": ["reward_model", "tau", "aggregation", "crop", "temporal_weight", "tau_mode", "accept_rate",
                          "preprocess"],
     "SDVGSpeculativeSampler": ["reward_prompt", "width", "height", "length", "seed", "mode", "force_first_block",
