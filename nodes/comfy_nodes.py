@@ -168,11 +168,12 @@ class SDVGSpeculativeSampler(io.ComfyNode):
     @classmethod
     def execute(cls, positive, vae, reward_prompt, width, height, length, seed, mode, force_first_block,
                 drafter=None, target=None, router=None, refine_from_step=0, cascade=False,
-                random_accept_prob=0.73) -> io.NodeOutput:
+                random_accept_prob=0.73, preset="reference", workers="auto", replay=True) -> io.NodeOutput:
         out = logic.run_sampler(
             drafter=drafter, target=target, router=router, positive=positive, vae=vae, reward_prompt=reward_prompt,
             width=width, height=height, length=length, seed=seed, mode=mode, force_first_block=force_first_block,
             refine_from_step=refine_from_step, cascade=cascade, random_accept_prob=random_accept_prob,
+            preset=preset, workers=workers, replay=replay,
             services=ComfyServices(cls.hidden.unique_id if cls.hidden is not None else None),
         )
         return io.NodeOutput(out.frames, out.mask, out.latent, out.fps, out.report, out.plot,
