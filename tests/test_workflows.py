@@ -238,3 +238,21 @@ def test_core_schemas_are_minimal_and_sdvg_free():
     assert not set(CORE) & set(schema.BY_ID)
     for spec in CORE.values():
         assert dataclasses.is_dataclass(spec) and not spec.node_id.startswith("SDVG")
+
+
+@pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_target_only", "sdvg_text_to_video_draft_only"])
+def test_the_prompt_is_typed_once(name):
+    """One text node feeds both the text encoder and the reward prompt, in the UI and API files alike."""
+    ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
+    links = {link[0]: link for link in ui["links"]}
+    sources = {}
+    for node in ui["nodes"]:
+        for inp in node.get("inputs", []):
+            if (node["type"], inp["name"]) in (("CLIPTextEncode", "text"), ("SDVGSpeculativeSampler", "reward_prompt")):
+                sources[node["type"]] = links[inp["link"]][1]
+    assert len(sources) == 2 and len(set(sources.values())) == 1
+    source = next(n for n in ui["nodes"] if n["id"] == sources["CLIPTextEncode"])
+    assert source["type"] == "PrimitiveStringMultiline" and source["widgets_values"][0].strip()
+    api = json.loads((ROOT / "tests" / "api_workflows" / f"{name}.json").read_text())
+    text_links = [node["inputs"][key] for node in api.values() for key in ("text", "reward_prompt") if key in node["inputs"]]
+    assert text_links == [[str(source["id"]), 0]] * 2
