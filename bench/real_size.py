@@ -11,6 +11,11 @@ Random weights time exactly like real ones. Prints markdown tables:
     python bench/real_size.py                 # one GPU, ~8 min on an H200
     python bench/real_size.py --blocks 9      # the reference's 9-block variant (105 frames, recompute target)
     python bench/real_size.py --tiny          # tiny configs on the CPU (CI: keeps the script from rotting)
+    python bench/real_size.py --fp8 --offload target --kv-dtype fp8   # one consumer GPU (docs/memory.md):
+                                              # compare its per-block times and peak GiB with `--fp8` alone
+
+``--offload target|both`` streams the target's (and the drafter's) blocks from pinned CPU RAM
+(``sdvg_engine/offload.py``); it needs CUDA, except with ``--tiny`` where it runs CPU->CPU without a stream.
 """
 
 from __future__ import annotations
@@ -72,6 +77,14 @@ def build_stack(args, device):
     drafter, target = dit(drafter_cfg), dit(target_cfg)
     if args.fp8 and not args.tiny:
         quantize_blocks_fp8(target)
+    if args.offload != "none" or args.kv_dtype != "auto":
+        from sdvg_engine.offload import enable_block_offload, kv_cache_dtype
+
+        for model, streamed in ((drafter, args.offload == "both"), (target, args.offload in ("target", "both"))):
+            model.kv_cache_dtype = kv_cache_dtype(args.kv_dtype)
+            if streamed:
+                model.blocks.to("cpu")
+                enable_block_offload(model, device, use_stream=device.type == "cuda")
     vae_module = AutoencoderKLWan(base_dim=8 if args.tiny else 96).to(device).eval().requires_grad_(False)
     vae = StreamingWanVAE(vae_module)
     if args.tiny:
@@ -138,7 +151,13 @@ def main():
     p.add_argument("--fp8", action="store_true", help="store the target's block weights in float8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--offload", choices=("none", "target", "both"), default="none",
+                   help="stream the target's (both: and the drafter's) blocks from pinned CPU RAM (needs CUDA)")
+    p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto", help="KV cache storage dtype")
     args = p.parse_args()
+    if args.offload != "none" and not args.tiny and not torch.cuda.is_available():
+        p.error("--offload streams transformer blocks from CPU RAM to a CUDA GPU, and no CUDA device is visible; "
+                "use --tiny to run the offload code path on the CPU")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if args.tiny:
         torch.set_num_threads(2)
@@ -173,7 +192,9 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"## SDVG real-size benchmark ({'tiny configs' if args.tiny else 'Wan2.1 1.3B drafter + 14B target'}, "
           f"{width}x{height}, {frames} frames = {args.blocks} blocks, {name}, "
-          f"{str(target.dtype).replace('torch.', '')}{' + fp8 target blocks' if args.fp8 and not args.tiny else ''})\n")
+          f"{str(target.dtype).replace('torch.', '')}{' + fp8 target blocks' if args.fp8 and not args.tiny else ''}"
+          f"{f', offload {args.offload}' if args.offload != 'none' else ''}"
+          f"{f', KV {args.kv_dtype}' if args.kv_dtype != 'auto' else ''})\n")
     print("| component, per block | seconds |\n|---|---|")
     for k, v in per_block.items():
         print(f"| {k} | {v:.4f} |")

@@ -121,9 +121,9 @@ class SDVGLoadDrafter(io.ComfyNode):
         return build_schema(schema.LOAD_DRAFTER)
 
     @classmethod
-    def execute(cls, ckpt_name, dtype, device, context_scheme) -> io.NodeOutput:
+    def execute(cls, ckpt_name, dtype, device, context_scheme, offload="none", kv_dtype="auto") -> io.NodeOutput:
         return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="drafter",
-                                                   services=ComfyServices()))
+                                                   services=ComfyServices(), offload=offload, kv_dtype=kv_dtype))
 
 
 class SDVGLoadTarget(io.ComfyNode):
@@ -132,9 +132,9 @@ class SDVGLoadTarget(io.ComfyNode):
         return build_schema(schema.LOAD_TARGET)
 
     @classmethod
-    def execute(cls, ckpt_name, dtype, device, context_scheme) -> io.NodeOutput:
+    def execute(cls, ckpt_name, dtype, device, context_scheme, offload="none", kv_dtype="auto") -> io.NodeOutput:
         return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="target",
-                                                   services=ComfyServices()))
+                                                   services=ComfyServices(), offload=offload, kv_dtype=kv_dtype))
 
 
 class SDVGRewardRouter(io.ComfyNode):
@@ -168,11 +168,12 @@ class SDVGSpeculativeSampler(io.ComfyNode):
     @classmethod
     def execute(cls, positive, vae, reward_prompt, width, height, length, seed, mode, force_first_block,
                 drafter=None, target=None, router=None, refine_from_step=0, cascade=False,
-                random_accept_prob=0.73) -> io.NodeOutput:
+                random_accept_prob=0.73, preset="reference", workers="auto", replay=True) -> io.NodeOutput:
         out = logic.run_sampler(
             drafter=drafter, target=target, router=router, positive=positive, vae=vae, reward_prompt=reward_prompt,
             width=width, height=height, length=length, seed=seed, mode=mode, force_first_block=force_first_block,
             refine_from_step=refine_from_step, cascade=cascade, random_accept_prob=random_accept_prob,
+            preset=preset, workers=workers, replay=replay,
             services=ComfyServices(cls.hidden.unique_id if cls.hidden is not None else None),
         )
         return io.NodeOutput(out.frames, out.mask, out.latent, out.fps, out.report, out.plot,

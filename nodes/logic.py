@@ -28,7 +28,10 @@ from sdvg_engine.comfy_bridge import ModuleHolder
 from sdvg_engine.vae import wan_vae_from_state_dict
 from sdvg_engine.context import make_context_scheme
 from sdvg_engine.generator import CausalGenerator
+from sdvg_engine import presets
 from sdvg_engine.loaders import load_generator, parse_dtype
+from sdvg_engine.memo import ReplayMemo
+from sdvg_engine.offload import ResidentPart, check_offload_device, enable_block_offload
 from sdvg_engine.pipeline import SDVGOptions, SDVGResult, SpeculativePipeline, video_frames_to_latent_frames
 from sdvg_engine.reward import ImageRewardScorer, load_image_reward
 from sdvg_engine.router import RewardRouter
@@ -192,40 +195,71 @@ class SDVGModel:
     holder: torch.nn.Module
     patcher: Any
     max_frames: int = 21
+    #: the loader's context_scheme input ("auto" lets the sampler's preset decide)
+    requested_context_scheme: str = "auto"
 
-    def new_generator(self) -> CausalGenerator:
-        """A fresh generator for one run (own KV cache, context state and counters)."""
-        context = make_context_scheme(self.context_scheme, max_frames=self.max_frames)
-        return CausalGenerator(self.model, schedule=self.schedule, context=context, name=self.role)
+    def new_generator(self, preset: str | None = None) -> CausalGenerator:
+        """A fresh generator for one run (own KV cache, context state and counters), configured by ``preset``
+        (``None``: as loaded, i.e. as the checkpoint says)."""
+        scheme, schedule, source = self.context_scheme, self.schedule, None
+        if preset is not None:
+            scheme, schedule, source = presets.resolve(
+                preset, self.role, context_scheme=self.requested_context_scheme, schedule="auto",
+                checkpoint_context=self.info.context_scheme, checkpoint_schedule=self.schedule)
+        gen = CausalGenerator(self.model, schedule=schedule, context=make_context_scheme(scheme, max_frames=self.max_frames),
+                              name=self.role)
+        if source is not None:
+            gen.settings_source = source
+        return gen
 
     def describe(self) -> dict:
         return {"file": os.path.basename(self.path), "architecture": self.info.architecture, "dtype": self.dtype,
-                "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule}
+                "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule,
+                **({"offload": "blocks"} if getattr(self.model, "block_hooks", None) is not None else {}),
+                **({"kv_dtype": "fp8"} if getattr(self.model, "kv_cache_dtype", None) == torch.float8_e4m3fn else {})}
 
 
 def load_sdvg_model(path: str, *, role: str, dtype: str = "bf16", device: str = "auto",
-                    context_scheme: str = "auto", services: Services | None = None) -> SDVGModel:
-    """Load a drafter or target checkpoint (the work of SDVGLoadDrafter / SDVGLoadTarget)."""
+                    context_scheme: str = "auto", services: Services | None = None, offload: str = "none",
+                    kv_dtype: str = "auto") -> SDVGModel:
+    """Load a drafter or target checkpoint (the work of SDVGLoadDrafter / SDVGLoadTarget).
+
+    ``offload="blocks"``: the blocks stay in CPU RAM and stream to the load device per call
+    (``sdvg_engine/offload.py``); the memory manager then handles only the resident rest.
+    """
     services = services or Services()
     if context_scheme not in schema.CONTEXT_SCHEMES:
         raise ValueError(f"context_scheme must be one of {schema.CONTEXT_SCHEMES}, got {context_scheme!r}")
+    if offload not in schema.OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {schema.OFFLOAD_MODES}, got {offload!r}")
+    if kv_dtype not in schema.KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {schema.KV_DTYPES}, got {kv_dtype!r}")
     fp8 = dtype == "fp8"
     torch_dtype = torch.bfloat16 if fp8 else parse_dtype(dtype)
     load_device, offload_device = resolve_devices(device, services)
-    gen = load_generator(path, name=role, dtype=torch_dtype, device=offload_device, context_scheme=context_scheme, fp8=fp8)
-    holder = ModuleHolder(gen.model, device=offload_device)
+    if offload == "blocks":
+        check_offload_device(load_device, f"the {role}")
+    gen = load_generator(path, name=role, dtype=torch_dtype, device=offload_device, context_scheme=context_scheme, fp8=fp8,
+                         kv_dtype=kv_dtype)
+    managed = gen.model
+    if offload == "blocks":  # ComfyUI moves the resident part; the streamer moves the blocks
+        streamer = enable_block_offload(gen.model, load_device, offload_device=offload_device,
+                                        use_stream=load_device.type == "cuda", move_resident=False)
+        managed = ResidentPart(gen.model, streamer)
+    holder = ModuleHolder(managed, device=offload_device)
     return SDVGModel(
         model=gen.model, info=gen.info, path=str(path), role=role, dtype=dtype, context_scheme=gen.context.name,
         schedule=gen.schedule.name, load_device=load_device, offload_device=offload_device, holder=holder,
-        patcher=services.wrap(holder, load_device, offload_device),
+        patcher=services.wrap(holder, load_device, offload_device), requested_context_scheme=context_scheme,
     )
 
 
 def load_model_node(ckpt_name: str, dtype: str, device: str, context_scheme: str, *, role: str,
-                    services: Services) -> SDVGModel:
+                    services: Services, offload: str = "none", kv_dtype: str = "auto") -> SDVGModel:
     check_model_name(ckpt_name, schema.DRAFTER_FOLDERS)  # also under ComfyUI, whose own resolver may normalise the name
     path = services.resolve(schema.DRAFTER_FOLDERS, ckpt_name)
-    return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services)
+    return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services,
+                           offload=offload, kv_dtype=kv_dtype)
 
 
 # =========================================================================================================== router
@@ -463,9 +497,16 @@ def frame_to_pil(frame: torch.Tensor):
 def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: SDVGRouter | None, positive, vae,
                 reward_prompt: str = "", width: int = 832, height: int = 480, length: int = 81, seed: int = 42,
                 mode: str = "sdvg", force_first_block: bool = True, refine_from_step: int = 0, cascade: bool = False,
-                random_accept_prob: float = 0.73, services: Services | None = None) -> SamplerOutput:
-    """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here."""
+                random_accept_prob: float = 0.73, services: Services | None = None, preset: str = "reference",
+                workers: str = "auto", replay: bool = True) -> SamplerOutput:
+    """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here.
+
+    With ``replay`` the module's :data:`REPLAY_MEMO` carries earlier runs across executions, so a run that
+    differs only in the router's tau settings reuses every block before its first changed decision."""
     services = services or Services()
+    presets.check_preset(preset)
+    if str(workers) not in schema.WORKER_CHOICES:
+        raise ValueError(f"workers must be one of {schema.WORKER_CHOICES}, got {workers!r}")
     if mode not in schema.MODES:
         raise ValueError(f"mode must be one of {schema.MODES}, got {mode!r}")
     problem = geometry_problem(width, height, length)
@@ -498,7 +539,9 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     stream, vae_patcher = streaming_vae(vae, services)
     # Per-run objects: the cached SDVG_MODEL / SDVG_ROUTER values are never modified.
     run_router = router.new_router() if (mode == "sdvg" and router is not None) else None
-    pipe = SpeculativePipeline(drafter_model.new_generator(), target_model.new_generator(), stream, run_router)
+    pipe = SpeculativePipeline(drafter_model.new_generator(preset), target_model.new_generator(preset), stream, run_router)
+    pipe.preset, pipe.workers = preset, (workers if workers == "auto" else int(workers))
+    pipe.memo = replay_memo_for(drafter_model, target_model) if replay else None
 
     patchers = [drafter_model.patcher if mode != "target_only" else None,
                 target_model.patcher if mode != "draft_only" else None,
@@ -534,6 +577,32 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     )
 
 
+# =========================================================================================================== replay
+#: Earlier sampler runs, for replay across executions (CPU RAM; SDVG_REPLAY_GB caps it, default 4).
+REPLAY_MEMO = ReplayMemo(max_bytes=int(float(os.environ.get("SDVG_REPLAY_GB", "4")) * (1 << 30)))
+_replay_models: tuple | None = None
+_replay_lock = threading.Lock()
+
+
+def replay_memo_for(drafter: SDVGModel, target: SDVGModel) -> ReplayMemo:
+    """The shared memo, emptied first when the models differ from the last run's (a reload, other files, or
+    ComfyUI's "free memory", which makes the loaders run again)."""
+    global _replay_models
+    models = (id(drafter.model), id(target.model))
+    with _replay_lock:
+        if models != _replay_models:
+            REPLAY_MEMO.clear()
+            _replay_models = models
+    return REPLAY_MEMO
+
+
+def clear_replay_memo() -> None:
+    global _replay_models
+    with _replay_lock:
+        REPLAY_MEMO.clear()
+        _replay_models = None
+
+
 # ============================================================================================================= plot
 def score_plot(report: dict, width: int = 640, height: int = 360) -> torch.Tensor:
     """Per-block draft scores against the threshold, drawn with PIL: ``[1, height, width, 3]`` float 0..1.
@@ -558,6 +627,8 @@ def score_plot(report: dict, width: int = 640, height: int = 360) -> torch.Tenso
         score = decision.get("block_score") if decision else None
         points.append((b["index"], score if isinstance(score, (int, float)) and math.isfinite(score) else None,
                        b.get("source") == "draft"))
+    free = report.get("free_tau_interval") or {}
+    band = (free.get("above"), free.get("up_to")) if free else (None, None)
     values = [s for _, s, _ in points if s is not None] + ([threshold] if threshold is not None else [])
     lo, hi = (min(values), max(values)) if values else (-1.0, 1.0)
     if hi - lo < 1e-6:
@@ -578,6 +649,14 @@ def score_plot(report: dict, width: int = 640, height: int = 360) -> torch.Tenso
     def y_of(v: float) -> float:
         return bottom - (v - lo) / (hi - lo) * (bottom - top)
 
+    if free and threshold is not None:
+        # The free interval: every tau in (above, up_to] keeps all decisions, so the next run replays at once.
+        y_hi = y_of(band[1]) if band[1] is not None else top
+        y_lo = y_of(band[0]) if band[0] is not None else bottom
+        draw.rectangle([left + 1, max(top, min(y_hi, y_lo)), right - 1, min(bottom, max(y_hi, y_lo))], fill=(222, 236, 255))
+        lo_text = "-inf" if band[0] is None else f"{band[0]:.2f}"
+        hi_text = "inf" if band[1] is None else f"{band[1]:.2f}"
+        draw.text((left + 4, top + 2), f"free tau: ({lo_text}, {hi_text}]", fill=(40, 90, 220), font=font)
     for k in range(5):  # y grid and labels
         v = lo + k * (hi - lo) / 4
         y = y_of(v)
@@ -594,6 +673,7 @@ def score_plot(report: dict, width: int = 640, height: int = 360) -> torch.Tenso
             draw.rectangle([x - 4, bottom - 8, x + 4, bottom], fill=(150, 150, 150))
             continue
         y = y_of(score)
+        draw.text((x + 7, y - 6), f"{score:.2f}", fill=(90, 90, 90), font=font)  # tau at which this block flips
         if kept:
             draw.ellipse([x - 5, y - 5, x + 5, y + 5], fill=(30, 160, 60))
         else:

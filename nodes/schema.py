@@ -32,6 +32,8 @@ DRAFTER_FOLDERS = ("diffusion_models", "sdvg")
 REWARD_FOLDERS = ("sdvg_reward", "image_reward")
 EMBEDDINGS_FOLDERS = ("sdvg_embeddings",)
 
+PRESETS = ("reference", "native")
+WORKER_CHOICES = ("auto", "1", "2")
 MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random")
 CONTEXT_SCHEMES = ("auto", "global_cache", "recompute_window")
 DRAFTER_DTYPES = ("bf16", "fp16", "fp32")
@@ -105,6 +107,12 @@ class NodeSpec:
         return tuple(i for i in self.inputs if i.is_widget)
 
 
+#: the loaders' ``offload`` input (appended, optional): stream the transformer blocks from CPU RAM
+OFFLOAD_MODES = ("none", "blocks")
+#: the loaders' ``kv_dtype`` input (appended, optional)
+KV_DTYPES = ("auto", "fp8")
+
+
 def _model_loader(node_id: str, display: str, role: str, dtypes: tuple[str, ...], description: str) -> NodeSpec:
     dtype_tip = (
         "Weight dtype. bf16 is the models' native precision; fp16 may overflow; fp32 doubles memory."
@@ -128,6 +136,14 @@ def _model_loader(node_id: str, display: str, role: str, dtypes: tuple[str, ...]
                       tooltip="How the model sees earlier frames. auto = what the checkpoint was trained with "
                               "(Self-Forcing 1.3B: global_cache, up to 81 frames; Krea 14B: recompute_window, any "
                               "length). The denoising schedule follows the weights (14B Krea: 5 calls; 1.3B Self-Forcing: 4)."),
+            InputSpec("offload", "COMBO", options=OFFLOAD_MODES, default="none", optional=True,
+                      tooltip="blocks = keep the transformer blocks in CPU RAM (pinned) and stream them to the GPU one "
+                              "block ahead of use, overlapping compute: the 14B fp8 target then needs ~1.5 GB of VRAM "
+                              "instead of ~14 GB, at a small slowdown (docs/memory.md). CUDA only. none = all on the GPU."),
+            InputSpec("kv_dtype", "COMBO", options=KV_DTYPES, default="auto", optional=True,
+                      tooltip="Storage of the attention KV cache. auto = the model's dtype; fp8 = float8 with a scale "
+                              "per row, about half the memory (the 14B's 832x480 window: 7.5 -> 4.1 GB), attention still "
+                              "in bf16; measured error ~0.6% of the latents (docs/memory.md)."),
         ),
         outputs=(OutputSpec("model", SDVG_MODEL, f"The loaded {role} (shared by runs; never modified by the sampler)."),),
     )
@@ -229,6 +245,22 @@ SAMPLER = NodeSpec(
                           "temporal_weight 0."),
         InputSpec("random_accept_prob", "FLOAT", default=0.73, min=0.0, max=1.0, step=0.01, round=0.001,
                   optional=True, tooltip="Acceptance probability of mode 'random' (per block, deterministic in the seed)."),
+        InputSpec("preset", "COMBO", options=PRESETS, default="reference", optional=True,
+                  tooltip="reference: the paper's configuration, both models on Krea's recompute window (context "
+                          "rebuilt before every block from an anchor frame + the last 2 latent frames) with the 5-call "
+                          "list [1000, 937.5, 833.3, 625, 0]; any length. native: each model as distilled (Self-Forcing "
+                          "drafter on its global cache with 4 calls, up to 81 frames). A loader's explicit "
+                          "context_scheme wins over the preset."),
+        InputSpec("workers", "COMBO", options=WORKER_CHOICES, default="auto", optional=True,
+                  tooltip="auto: when the target sits on another GPU than the drafter, VAE and reward (the loaders' "
+                          "device inputs), the target regenerates each block while its draft is verified, and decodes "
+                          "overlap the next block. 1: strictly one step after another. 2: two CPU threads. Outputs are "
+                          "identical in every case; only the time differs."),
+        InputSpec("replay", "BOOLEAN", default=True, optional=True,
+                  tooltip="Reuse the previous run when only the router's tau settings changed: every block before the "
+                          "first decision that flips is taken as it was, so moving tau costs only the tail (identical "
+                          "output to a fresh run). Kept in CPU RAM (at most SDVG_REPLAY_GB, default 4), released "
+                          "when the models change."),
     ),
     outputs=(
         OutputSpec("frames", "IMAGE", "Decoded video frames [T, H, W, 3], 0..1."),
@@ -240,7 +272,8 @@ SAMPLER = NodeSpec(
         OutputSpec("report", "STRING", "JSON report: settings, per-block decisions and scores, acceptance rates, "
                                        "model calls, timings, estimated speed-up."),
         OutputSpec("score_plot", "IMAGE", "Per-block draft scores against tau (green = kept, red = regenerated, "
-                                          "grey = not drafted)."),
+                                          "grey = not drafted); the shaded band is the free interval: any tau inside "
+                                          "it changes no decision, so the next run replays at once."),
     ),
     validated_inputs=("length",),
 )

@@ -181,6 +181,8 @@ def _check_frames(args):
 def _auto_context_scheme(args, role: str) -> str | None:
     """What ``--<role>-context auto`` will mean: the preset's scheme when a ``--preset`` sets one (main's
     :mod:`sdvg_engine.presets`), else the checkpoint's own (read from a safetensors header); ``None`` = unknown."""
+    if getattr(args, "vram_gb", None) is not None:
+        return None  # the memory plan may switch the scheme (docs/memory.md); the loader checks the length then
     preset = getattr(args, "preset", None)
     if preset is not None:
         try:
@@ -587,10 +589,15 @@ def build_pipeline(args):
 
     if args.mode == "sdvg" and not args.reward:
         raise UsageError("--reward: mode 'sdvg' needs --reward (an ImageReward.pt file)")
+    from .offload import resolve_memory_args
+
+    offload, kv_dtype = resolve_memory_args(args)  # --vram-gb / --offload / --kv-dtype (docs/memory.md)
     aux = args.aux_device or args.device
     vae = load_wan_vae(args.vae, device=aux, dtype=parse_dtype(args.vae_dtype))
-    drafter = load_generator(args.drafter, **generator_kwargs(args, "drafter"))
-    target = load_generator(args.target, **generator_kwargs(args, "target"))
+    drafter = load_generator(args.drafter, **generator_kwargs(args, "drafter"),
+                             offload="blocks" if offload == "both" else "none", kv_dtype=kv_dtype)
+    target = load_generator(args.target, **generator_kwargs(args, "target"),
+                            offload="none" if offload == "none" else "blocks", kv_dtype=kv_dtype)
     router = None
     if args.reward:
         from .reward import load_image_reward
@@ -819,6 +826,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "unless --overwrite)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier run's files in --out (and an existing --report); never done otherwise")
+    # one consumer GPU (docs/memory.md)
+    p.add_argument("--vram-gb", type=float, default=None,
+                   help="plan for ONE card of this many GiB (e.g. 24, 16): sets --fp8-target, --offload, --kv-dtype, "
+                        "--vae-dtype, --drafter-context (flags given explicitly win); prints the plan")
+    p.add_argument("--offload", choices=("none", "target", "both"), default=None,
+                   help="stream the target's (both: and the drafter's) transformer blocks from CPU RAM to the GPU per "
+                        "call (pinned memory, copies overlap compute; CUDA only)")
+    p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp16", "fp32", "fp8"), default=None,
+                   help="KV cache storage: auto = the model dtype; fp8 = float8 with per-row scales (about half the memory)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="prompts x tau values x modes -> resumable JSONL, summary table, Pareto plot "
@@ -868,6 +884,11 @@ def main(argv=None) -> int:
     try:
         validate_args(args)
         return args.func(args)
+    except SystemExit as exit_:  # `raise SystemExit("message")` inside a command: the same one-line error, status 2
+        if not isinstance(exit_.code, str):
+            raise
+        _print_err(f"sdvg {args.command}: error: {_one_line(Exception(exit_.code))}")
+        return 2
     except KeyboardInterrupt:
         if debug:
             import traceback

@@ -28,25 +28,30 @@ def load_generator(path: str | os.PathLike, *, name: str = "model", dtype="bfloa
                    context_scheme: str = "auto", schedule: str = "auto", fp8: bool = False,
                    num_heads: int | None = None, max_frames: int = 21, attention_bias: float | None = None,
                    anchor_encoder=None, fuse_qkv: bool = False, compile: bool = False,
-                   preset: str | None = None) -> CausalGenerator:
+                   preset: str | None = None, offload: "bool | str" = "none", kv_dtype: str = "auto") -> CausalGenerator:
     """Load a causal Wan checkpoint and wrap it as a :class:`CausalGenerator`.
 
     ``context_scheme="auto"`` takes the scheme the checkpoint was trained with (14B Krea: recompute
     window; Self-Forcing 1.3B: global cache); ``schedule="auto"`` takes the schedule the weights were
     distilled for (``krea``'s 5 calls for the 14B, ``self_forcing``'s 4 otherwise). ``fuse_qkv``
     fuses the attention projections and ``compile`` wraps the block forward in ``torch.compile``
-    (inference only; see ``bench/bench_speed.py`` for their effect).
+    (inference only; see ``bench/bench_speed.py`` for their effect). ``offload="blocks"`` (or ``True``)
+    keeps the transformer blocks in CPU RAM and streams them to the CUDA ``device`` per call;
+    ``kv_dtype="fp8"`` stores the KV cache in float8 (see ``sdvg_engine/offload.py``, ``docs/memory.md``).
 
     ``preset`` (``"reference"`` / ``"native"``, see :mod:`sdvg_engine.presets`; ``name`` must then be
     ``"drafter"`` or ``"target"``) decides what ``"auto"`` means; explicit settings still win. Without a preset
     ``"auto"`` is the checkpoint's own choice, as :func:`load_pipeline` with ``preset="native"``.
     """
+    from .offload import apply_memory_options, load_device_for
+
     if preset is not None:
         presets.recipe(preset, name)  # a bad preset or role fails before the (long) load
     if context_scheme != "auto" and context_scheme not in CONTEXT_SCHEMES:
         raise ValueError(f"context_scheme must be 'auto' or one of {CONTEXT_SCHEMES}, got {context_scheme!r}")
-    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), device=device, num_heads=num_heads,
-                                  fp8=fp8, fuse_qkv=fuse_qkv, compile=compile)
+    model, info = load_causal_wan(path, dtype=parse_dtype(dtype), num_heads=num_heads, fp8=fp8, fuse_qkv=fuse_qkv,
+                                  compile=compile, device=load_device_for(offload, device, name, compile, kv_dtype))
+    apply_memory_options(model, device, offload=offload, kv_dtype=kv_dtype)
     # The schedule belongs to the weights, not to the context scheme: Krea 14B was distilled for
     # 5 calls; Self-Forcing 1.3B for 4, also when it runs with a recompute window (long videos).
     own_schedule = "krea" if info.architecture == "Wan2.1-T2V-14B" else "self_forcing"

@@ -525,6 +525,7 @@ class SpeculativePipeline:
             memory={"drafter_kv_cache_bytes": self.drafter.kv_cache_bytes, "target_kv_cache_bytes": self.target.kv_cache_bytes},
             decode_hidden=parallel_decode,
         )
+        report["free_tau_interval"] = free_tau_interval(records, run.options, self.router)
         report["tau_per_block"] = [None if b.decision is None or b.decision.tau is None else _json_number(b.decision.tau)
                                    for b in records]
         stored = self.memo.store(run.recording) if run.recording is not None else False
@@ -590,6 +591,22 @@ class _Block:
     decoded: object  # Future of (VAE state before or None, pixels, decode Lap, VAE state after)
     contexts_after: dict  # generator name -> Future of its context snapshot after this commit
     previous_features_after: object  # seam features after this block (a tensor, None or a Future)
+
+
+def free_tau_interval(records: list[BlockRecord], options: SDVGOptions, router) -> dict | None:
+    """The range of fixed tau that changes no decision of this run: above the highest rejected draft score, up to the
+    lowest accepted one (``None`` ends: unbounded). Each drafted block flips when tau crosses its own score, so moving
+    tau inside the interval replays the whole run for free (see :mod:`sdvg_engine.memo`). ``None`` when no router
+    decided (other modes, or an adaptive tau, whose thresholds move with the scores)."""
+    if options.mode != "sdvg" or router is None or getattr(router, "tau_mode", "fixed") != "fixed":
+        return None
+    scored = [r.decision for r in records if r.decision is not None and math.isfinite(r.decision.block_score)]
+    rejected = [d.block_score for d in scored if not d.accept]
+    accepted = [d.block_score for d in scored if d.accept]
+    return {"above": max(rejected) if rejected else None, "up_to": min(accepted) if accepted else None,
+            "flip_tau_per_block": [r.decision.block_score if r.decision is not None and math.isfinite(r.decision.block_score)
+                                   else None for r in records],
+            "exact": not options.cascade}
 
 
 def _model_identity(gen: CausalGenerator) -> tuple:

@@ -326,3 +326,21 @@ def test_text_encoder_workflows_validate(server, name):
         assert error["exception_type"].endswith("ValueError")
     else:
         assert error["node_type"] in ("CLIPLoader", "CLIPTextEncode"), error
+
+
+def test_offload_on_a_cpu_server_is_refused_by_the_loader(server):
+    """``offload=blocks`` streams blocks to a CUDA GPU; ComfyUI --cpu gets the loader's explanation, and the
+    next run (offload none, fp8 KV cache) works. (The streaming itself is tested on the node logic:
+    tests/test_offload.py.)"""
+    prompt = api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=8)
+    prompt[node_id(prompt, "SDVGLoadTarget")]["inputs"]["offload"] = "blocks"
+    entry = server.wait(server.queue(prompt))
+    errors = messages(entry, "execution_error")
+    assert entry["status"]["status_str"] == "error" and errors and errors[0]["node_type"] == "SDVGLoadTarget"
+    assert "streams the target's transformer blocks from CPU RAM to a CUDA GPU" in errors[0]["exception_message"]
+    # the next run works; the fp8 KV cache runs on the CPU too
+    again = api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=8)
+    again[node_id(again, "SDVGLoadTarget")]["inputs"]["kv_dtype"] = "fp8"
+    entry = server.wait(server.queue(again))
+    report = _check_outputs(server, again, entry, "target_only")
+    assert report["models"]["target"]["kv_dtype"] == "fp8" and "offload" not in report["models"]["target"]

@@ -246,9 +246,9 @@ def test_bad_conditioning_width_is_rejected(stack, services):
 def test_invalid_length_is_rejected(stack, services):
     with pytest.raises(ValueError, match=r"length: num_frames=40 .*use 33 or 45"):
         sample(stack, None, services, length=40, mode="target_only")
-    # A valid 12n - 3 length beyond the global cache's 81 frames needs recompute-window models.
+    # A valid 12n - 3 length beyond the global cache's 81 frames needs recompute-window models (the native preset).
     with pytest.raises(ValueError, match="recompute-window"):
-        sample(stack, None, services, length=93, mode="target_only")
+        sample(stack, None, services, length=93, mode="target_only", preset="native")
     assert services.interrupt_checks == 0  # rejected before any model call
     assert logic.geometry_problem(832, 480, 81) is None
     assert "multiple of 16" in logic.geometry_problem(840, 480, 81)

@@ -1,7 +1,6 @@
 """Replay (sdvg_engine.memo): a run that differs only in tau reuses the blocks before its first changed decision and
 equals a fresh run at the new tau bit for bit."""
 
-import itertools
 import math
 
 import pytest
@@ -42,7 +41,8 @@ def test_replay_equals_a_fresh_run_wherever_the_first_flip_is(scheme):
     taus = taus_for(scheme)
     fresh = {tau: generate(tiny_pipeline(target_scheme=scheme), tau) for tau in taus}
     flips = set()
-    for tau_a, tau_b in itertools.permutations(taus, 2):
+    pairs = [(a, b) for a in taus[:2] for b in taus if a != b] + [(taus[-1], taus[2])]
+    for tau_a, tau_b in pairs:
         pipe = tiny_pipeline(target_scheme=scheme)
         pipe.memo = ReplayMemo()
         generate(pipe, tau_a)
@@ -72,7 +72,7 @@ def test_replay_with_hybrid_and_cascade(opts):
     taus = taus_for("global_cache", **opts)
     fresh = {tau: generate(tiny_pipeline(), tau, **opts) for tau in taus}
     replays = 0
-    for tau_a, tau_b in itertools.permutations(taus[:4], 2):
+    for tau_a, tau_b in [(taus[0], taus[2]), (taus[1], taus[3]), (taus[2], taus[-1])]:
         pipe = tiny_pipeline()
         pipe.memo = ReplayMemo()
         generate(pipe, tau_a, **opts)
@@ -166,3 +166,23 @@ def test_cancel_during_a_replayed_run_leaves_the_memo_usable():
                       cancel=token, before_call=cancel_on_second_call)
     for tau in taus:
         assert_same(generate(pipe, tau), generate(tiny_pipeline(), tau))
+
+
+def test_free_interval_is_where_no_decision_changes():
+    taus = taus_for("global_cache")
+    mixed = [t for t in taus if math.isfinite(t)]
+    pipe = tiny_pipeline()
+    pipe.memo = ReplayMemo()
+    result = generate(pipe, mixed[1])
+    interval = result.report["free_tau_interval"]
+    scores = [r.decision.block_score for r in result.blocks if r.decision is not None]
+    assert interval["flip_tau_per_block"] == [None] + scores
+    above, up_to = interval["above"], interval["up_to"]
+    assert above == max(r.decision.block_score for r in result.blocks if r.decision and not r.decision.accept)
+    assert up_to == min(r.decision.block_score for r in result.blocks if r.decision and r.decision.accept)
+    assert above < mixed[1] <= up_to
+    # Anywhere inside: every block replays, no model runs; just outside either end: the first flip regenerates.
+    inside = generate(pipe, up_to)
+    assert inside.report["replay"]["replayed_blocks"] == 4 and inside.report["model_calls"]["target"] == {}
+    assert generate(pipe, above).report["replay"]["replayed_blocks"] < 4  # tau == the highest reject accepts it
+    assert generate(tiny_pipeline(), 0.0, mode="target_only").report["free_tau_interval"] is None

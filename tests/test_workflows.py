@@ -139,12 +139,12 @@ def test_checker_catches_broken_api_workflows():
 # ----------------------------------------------------------------------------------------- schema contracts
 #: Widget order per node, as saved in users' workflows: append optional inputs only, never reorder.
 FROZEN_WIDGETS = {
-    "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme"],
-    "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme"],
+    "SDVGLoadDrafter": ["ckpt_name", "dtype", "device", "context_scheme", "offload", "kv_dtype"],
+    "SDVGLoadTarget": ["ckpt_name", "dtype", "device", "context_scheme", "offload", "kv_dtype"],
     "SDVGRewardRouter": ["reward_model", "tau", "aggregation", "crop", "temporal_weight", "tau_mode", "accept_rate",
                          "preprocess"],
     "SDVGSpeculativeSampler": ["reward_prompt", "width", "height", "length", "seed", "mode", "force_first_block",
-                               "refine_from_step", "cascade", "random_accept_prob"],
+                               "refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay"],
     "SDVGLoadPromptEmbeddings": ["embeddings_file", "index"],
 }
 
@@ -181,8 +181,11 @@ def test_loop_options_are_optional_trailing_inputs_with_engine_defaults():
 
     inputs = schema.SAMPLER.inputs
     optional_widgets = [i.name for i in inputs if i.optional and i.is_widget]
-    assert optional_widgets == ["refine_from_step", "cascade", "random_accept_prob"]
-    assert [i.name for i in inputs[-3:]] == optional_widgets
+    assert optional_widgets == ["refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay"]
+    assert [i.name for i in inputs[-6:]] == optional_widgets
+    from sdvg_engine.presets import DEFAULT_PRESET, PRESETS
+
+    assert schema.SAMPLER.input("preset").default == DEFAULT_PRESET and tuple(schema.PRESETS) == PRESETS
     defaults = SDVGOptions()
     assert schema.SAMPLER.input("cascade").default == defaults.cascade
     assert schema.SAMPLER.input("random_accept_prob").default == defaults.random_accept_prob
@@ -235,3 +238,21 @@ def test_core_schemas_are_minimal_and_sdvg_free():
     assert not set(CORE) & set(schema.BY_ID)
     for spec in CORE.values():
         assert dataclasses.is_dataclass(spec) and not spec.node_id.startswith("SDVG")
+
+
+@pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_target_only", "sdvg_text_to_video_draft_only"])
+def test_the_prompt_is_typed_once(name):
+    """One text node feeds both the text encoder and the reward prompt, in the UI and API files alike."""
+    ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
+    links = {link[0]: link for link in ui["links"]}
+    sources = {}
+    for node in ui["nodes"]:
+        for inp in node.get("inputs", []):
+            if (node["type"], inp["name"]) in (("CLIPTextEncode", "text"), ("SDVGSpeculativeSampler", "reward_prompt")):
+                sources[node["type"]] = links[inp["link"]][1]
+    assert len(sources) == 2 and len(set(sources.values())) == 1
+    source = next(n for n in ui["nodes"] if n["id"] == sources["CLIPTextEncode"])
+    assert source["type"] == "PrimitiveStringMultiline" and source["widgets_values"][0].strip()
+    api = json.loads((ROOT / "tests" / "api_workflows" / f"{name}.json").read_text())
+    text_links = [node["inputs"][key] for node in api.values() for key in ("text", "reward_prompt") if key in node["inputs"]]
+    assert text_links == [[str(source["id"]), 0]] * 2

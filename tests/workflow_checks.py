@@ -48,6 +48,8 @@ CORE = {s.node_id: s for s in (
     _core("MaskToImage", [I("mask", "MASK", "")], ["IMAGE"]),
     _core("SaveImage", [I("images", "IMAGE", ""), I("filename_prefix", "STRING", "", default="ComfyUI")], output_node=True),
     _core("PreviewAny", [I("source", "*", "")], output_node=True),
+    # comfy_extras/nodes_primitive.py (StringMultiline): one text typed once, linked to CLIPTextEncode and the sampler.
+    _core("PrimitiveStringMultiline", [I("value", "STRING", "", multiline=True)], ["STRING"]),
 )}
 
 SPECS: dict[str, NodeSpec] = {**CORE, **schema.BY_ID}

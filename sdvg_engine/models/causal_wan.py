@@ -126,12 +126,20 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
             )
         return (latent_height // p_h) * (latent_width // p_w)
 
+    #: dtype of the KV caches :meth:`new_kv_cache` makes when none is given (``None`` = the compute
+    #: dtype; ``torch.float8_e4m3fn`` = fp8 storage with per-row scales, see ``kv_cache.py``).
+    kv_cache_dtype: torch.dtype | None = None
+    #: optional object with ``before(layer)`` / ``after(layer)``, called around each transformer block's
+    #: use by :meth:`forward_block` and :meth:`encode_text` (block weight streaming: ``sdvg_engine/offload.py``).
+    block_hooks = None
+
     def new_kv_cache(self, batch_size: int, latent_height: int, latent_width: int, capacity_frames: int,
                      *, dtype: torch.dtype | None = None) -> KVCache:
         geometry = CacheGeometry(
             num_layers=self.config.num_layers, batch_size=batch_size, num_heads=self.num_heads,
             head_dim=self.head_dim, tokens_per_frame=self.tokens_per_frame(latent_height, latent_width),
-            capacity_frames=capacity_frames, dtype=dtype or self.compute_dtype, device=self.device,
+            capacity_frames=capacity_frames, dtype=dtype or self.kv_cache_dtype or self.compute_dtype, device=self.device,
+            compute_dtype=self.compute_dtype,
         )
         return KVCache(geometry)
 
@@ -146,7 +154,10 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
             )
         context = self.condition_embedder.text_embedder(prompt_embeds.to(self.device, self.compute_dtype))
         keys, values = [], []
-        for block in self.blocks:
+        hooks = self.block_hooks
+        for layer, block in enumerate(self.blocks):
+            if hooks is not None:
+                hooks.before(layer)
             attn = block.attn2
             if getattr(attn, "sdvg_fused", False):
                 k, v = attn.to_kv(context).chunk(2, dim=-1)
@@ -154,6 +165,8 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
                 k, v = attn.to_k(context), attn.to_v(context)
             keys.append(attn.norm_k(k).unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
             values.append(v.unflatten(2, (self.num_heads, -1)).transpose(1, 2).contiguous())
+            if hooks is not None:
+                hooks.after(layer)
         return TextKV(keys, values)
 
     # ---- positions and time ---------------------------------------------------------------------
@@ -209,6 +222,9 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         (about a minute on a CPU); the weights and the state dict are untouched. The compiled function
         is bound to this instance: compile a deep copy again rather than copying a compiled model.
         """
+        if self.block_hooks is not None:
+            raise RuntimeError("compile_forward_block(): this model streams its blocks from CPU memory (offload); "
+                               "torch.compile does not support the weight swaps. Use offload='none' or no compile.")
         compile_kwargs.setdefault("dynamic", True)
         self.forward_block = torch.compile(type(self).forward_block.__get__(self), **compile_kwargs)
 
@@ -331,7 +347,10 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         def per_frame(t):  # [B, L, D] <-> [B, F, tokens/frame, D] so modulation broadcasts per frame
             return t.view(B, n_frames, tpf, -1)
 
+        hooks = self.block_hooks
         for layer, block in enumerate(self.blocks):
+            if hooks is not None:
+                hooks.before(layer)
             shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.float() + modulation).unsqueeze(3).unbind(2)
             normed = (per_frame(block.norm1(x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
             attn_out = self._self_attention(block.attn1, normed, rope, kv_cache, layer, start_frame, attn_mask)
@@ -343,6 +362,8 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
             normed = (per_frame(block.norm3(x.float())) * (1 + c_scale) + c_shift).flatten(1, 2).to(dtype)
             ff_out = block.ffn(normed)
             x = (x.float() + (per_frame(ff_out.float()) * c_gate).flatten(1, 2)).to(dtype)
+            if hooks is not None:
+                hooks.after(layer)
 
         shift, scale = (self.scale_shift_table.float() + temb.unsqueeze(2)).unsqueeze(3).unbind(2)
         x = (per_frame(self.norm_out(x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
