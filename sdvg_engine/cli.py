@@ -884,11 +884,6 @@ def main(argv=None) -> int:
     try:
         validate_args(args)
         return args.func(args)
-    except SystemExit as exit_:  # `raise SystemExit("message")` inside a command: the same one-line error, status 2
-        if not isinstance(exit_.code, str):
-            raise
-        _print_err(f"sdvg {args.command}: error: {_one_line(Exception(exit_.code))}")
-        return 2
     except KeyboardInterrupt:
         if debug:
             import traceback

@@ -191,7 +191,8 @@ def test_random_mode_and_loop_options(stack, services):
     weighted = logic.build_router(REWARD_FILE, 0.0, "min", "center", 0.5, services=services)
     assert json.loads(sample(stack, weighted, services, mode="target_only", length=21).report)["decisions"] == ["target"] * 2
     router = logic.build_router(REWARD_FILE, math.inf, "min", "center", 0.0, services=services)
-    out = sample(stack, router, services, length=21, refine_from_step=2, cascade=True)
+    # preset "native": each model as its checkpoint says (global cache, the 4-step schedule), built by hand below.
+    out = sample(stack, router, services, length=21, refine_from_step=2, cascade=True, preset="native")
     report = json.loads(out.report)
     assert report["settings"]["refine_from_step"] == 2 and report["settings"]["cascade"] is True
     assert report["decisions"] == ["target", "target"]
@@ -202,7 +203,7 @@ def test_random_mode_and_loop_options(stack, services):
     assert torch.equal(out.result.latents, reference.latents)
     assert report["model_calls"]["target"]["denoise"] == 4 + 2
     assert report["blocks"][1]["decision"]["frames_scored"] == 4
-    full = sample(stack, router, services, length=21)
+    full = sample(stack, router, services, length=21, preset="native")
     assert json.loads(full.report)["model_calls"]["target"]["denoise"] == 4 + 4
     assert not torch.equal(full.result.latents[:, :, 3:], out.result.latents[:, :, 3:])
 
@@ -212,8 +213,8 @@ def _engine_run(stack, services, router, *, num_frames, options, drafter=None, t
     drafter, target = drafter or stack["drafter"], target or stack["target"]
     stream, _ = logic.streaming_vae(stack["vae"], services)
 
-    def generator(m):
-        return CausalGenerator(m.model, schedule=m.schedule, name=m.role,
+    def generator(m):  # as loaded: the loader's explicit scheme, else the checkpoint's (global cache), 4 steps
+        return CausalGenerator(m.model, schedule="self_forcing", name=m.role,
                                context=make_context_scheme(m.context_scheme, max_frames=21))
 
     pipe = SpeculativePipeline(generator(drafter), generator(target), stream,
@@ -296,7 +297,7 @@ def test_loader_options(services):
 
 def test_long_video_with_recompute_window_models(services, stack):
     drafter = logic.load_model_node(DRAFTER_FILE, "fp32", "cpu", "recompute_window", role="drafter", services=services)
-    out = sample(stack, None, services, drafter=drafter, mode="draft_only", length=93)
+    out = sample(stack, None, services, drafter=drafter, mode="draft_only", length=93, preset="native")
     assert out.frames.shape[0] == 93 and out.mask.eq(1.0).all()
     # Values: the engine run with a recompute-window drafter gives the same video ...
     reference = _engine_run(stack, services, None, num_frames=93, options=SDVGOptions(mode="draft_only"),
@@ -304,9 +305,9 @@ def test_long_video_with_recompute_window_models(services, stack):
     assert torch.equal(out.result.latents, reference.latents)
     # ... whose first two blocks equal the global-cache drafter's (the window still holds all of block 0),
     # and whose later blocks do not (the window forgets; the anchor is re-encoded).
-    short = sample(stack, None, services, mode="draft_only", length=21)
+    short = sample(stack, None, services, mode="draft_only", length=21, preset="native")
     assert (out.result.latents[:, :, :6] - short.result.latents).abs().max().item() <= 1e-5
-    longer = sample(stack, None, services, mode="draft_only", length=45)
+    longer = sample(stack, None, services, mode="draft_only", length=45, preset="native")
     assert (out.result.latents[:, :, 6:12] - longer.result.latents[:, :, 6:12]).abs().max().item() > 1e-4
 
 
