@@ -346,10 +346,17 @@ def _input_problem(value) -> str | None:
     return None
 
 
-@arg_check("--taus", "bench")
+@arg_check("--taus", "bench", "generate")
 def _check_taus(args):
-    parse_taus(args.taus)
+    if args.taus is not None:
+        parse_taus(args.taus)
     return None
+
+
+@arg_check("--accept-rate", "generate", "bench")
+def _check_accept_rate(args):
+    rate = args.accept_rate
+    return None if 0.0 < rate < 1.0 else f"{rate}: must lie strictly between 0 and 1 (the share of drafts to keep)"
 
 
 @arg_check("--modes", "bench")
@@ -569,16 +576,19 @@ def _contexts(args, plan=None) -> list[tuple[str, torch.Tensor]]:
 def generator_kwargs(args, role: str) -> dict:
     """Keyword arguments of :func:`sdvg_engine.loaders.load_generator` for ``role`` (``drafter``/``target``);
     one place to map new model flags."""
-    common = dict(name=role, dtype=args.dtype, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv, compile=args.compile)
+    common = dict(name=role, dtype=args.dtype, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv, compile=args.compile,
+                  preset=args.preset)
     if role == "drafter":
-        return dict(common, device=args.drafter_device or args.device, context_scheme=args.drafter_context)
+        return dict(common, device=args.drafter_device or args.device, context_scheme=args.drafter_context,
+                    schedule=args.drafter_schedule)
     return dict(common, device=args.device, fp8=args.fp8_target, context_scheme=args.target_context,
                 schedule=args.target_schedule, attention_bias=args.attention_bias)
 
 
 def router_kwargs(args) -> dict:
     """Keyword arguments of :class:`sdvg_engine.router.RewardRouter` (besides the scorer)."""
-    return dict(tau=args.tau, aggregation=args.aggregation, crop=args.crop, temporal_weight=args.temporal_weight)
+    return dict(tau=args.tau, aggregation=args.aggregation, crop=args.crop, temporal_weight=args.temporal_weight,
+                tau_mode=args.tau_mode, accept_rate=args.accept_rate, preprocess=args.reward_preprocess)
 
 
 def build_pipeline(args):
@@ -604,7 +614,10 @@ def build_pipeline(args):
 
         scorer = load_image_reward(args.reward, device=aux)
         router = RewardRouter(scorer, **router_kwargs(args))
-    return SpeculativePipeline(drafter, target, vae, router)
+    pipe = SpeculativePipeline(drafter, target, vae, router)
+    pipe.preset = args.preset
+    pipe.workers = args.workers if args.workers == "auto" else int(args.workers)
+    return pipe
 
 
 def _progress(num_blocks: int, tau: float | None):
@@ -644,12 +657,19 @@ def cmd_generate(args) -> int:
     options = SDVGOptions(mode=args.mode, force_first_block=args.force_first_block, random_accept_prob=args.random_p,
                           refine_from_step=args.refine_from_step, cascade=args.cascade)
     num_blocks = video_frames_to_latent_frames(args.frames) // 3
+    taus = parse_taus(args.taus) if args.taus else [args.tau]
     # Everything that can be checked without a model is checked before the first load.
     plan = plan_prompts(args)
     suffix = _video_suffix(args)
-    out, files, report_path = plan_generate_outputs(args, len(plan[0]), suffix)
+    out, files, report_path = plan_generate_outputs(args, len(plan[0]) * len(taus), suffix)
     pairs = _contexts(args, plan)
     pipe = build_pipeline(args)  # --out is created by the first finished video, not before
+    if len(taus) > 1:
+        from .memo import ReplayMemo
+
+        pipe.memo = ReplayMemo()  # each tau after the first replays the blocks before its first changed decision
+    jobs = [(prompt, context, i, tau) for i, (prompt, context) in enumerate(pairs) for tau in taus]
+    sweep_started, estimated_independent = time.perf_counter(), 0.0
 
     token = CancelToken()
 
@@ -662,12 +682,15 @@ def cmd_generate(args) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint)
     reports = []
     try:
-        for i, (prompt, context) in enumerate(pairs):
-            _print_err(f"video {i + 1}/{len(pairs)}: {prompt[:80]}")
+        for k, (prompt, context, i, tau) in enumerate(jobs):
+            _print_err(f"video {k + 1}/{len(jobs)}: {prompt[:80]}" + (f" (tau {tau:g})" if len(taus) > 1 else ""))
+            if pipe.router is not None:
+                pipe.router.tau = tau
+            started = time.perf_counter()
             try:
                 result = pipe.generate(context, prompt=prompt, num_frames=args.frames, width=args.width, height=args.height,
                                        seed=args.seed + i, options=options, cancel=token,
-                                       on_block=_progress(num_blocks, args.tau if args.mode == "sdvg" else None))
+                                       on_block=_progress(num_blocks, tau if args.mode == "sdvg" else None))
             except GenerationCancelled as err:
                 if reports:  # the finished videos form a complete set with their report (never a mix)
                     _finish_outputs(args, out, files[: len(reports)], report_path, reports)
@@ -676,7 +699,12 @@ def cmd_generate(args) -> int:
             except NonFiniteOutputError as err:  # name the files behind "the drafter's"/"the target's" output
                 raise NonFiniteOutputError(f"video {i + 1} ({prompt[:40]!r}): {err} Files: drafter {args.drafter}, "
                                            f"target {args.target}.") from err
-            video_path, mask_path = files[i]
+            replay = result.report.get("replay", {})
+            estimated_independent += time.perf_counter() - started + replay.get("seconds_saved", 0.0)
+            if replay.get("replayed_blocks"):
+                _print_err(f"  replayed {replay['replayed_blocks']} block(s) of an earlier tau "
+                           f"(~{replay['seconds_saved']:.1f} s saved)")
+            video_path, mask_path = files[k]
             video = write_video(result.frames, video_path)  # temporary file + rename
             with atomic_output(mask_path) as tmp:
                 Image.fromarray(mask_strip(result.acceptance_mask)).save(tmp, format="PNG")
@@ -689,6 +717,11 @@ def cmd_generate(args) -> int:
         signal.signal(signal.SIGINT, previous)
     _finish_outputs(args, out, files, report_path, reports)
     print(f"wrote {len(reports)} video(s) to {out} and the report to {report_path}")
+    if len(taus) > 1:
+        wall = time.perf_counter() - sweep_started
+        print(f"tau sweep {','.join(f'{t:g}' for t in taus)}: {wall:.1f} s with replay; independent runs would take about "
+              f"{estimated_independent:.1f} s (each run's time plus what its replayed blocks took), "
+              f"{estimated_independent / wall:.2f}x")
     return 0
 
 
@@ -777,6 +810,21 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
     p.add_argument("--target-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
     p.add_argument("--attention-bias", type=finite_float, default=None, help="Scope's KV bias for recompute-window models (0.3)")
     p.add_argument("--max-frames", type=int, default=21, help="global-cache capacity in latent frames")
+    p.add_argument("--preset", choices=("reference", "native"), default="reference",
+                   help="reference (default): the paper's configuration, both models on the recompute window with the "
+                        "5-call list; native: each model as distilled (drafter: global cache, 4 calls). "
+                        "--drafter-context/--target-context/--*-schedule other than auto win over it")
+    p.add_argument("--drafter-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
+    p.add_argument("--tau-mode", choices=("fixed", "accept_rate"), default="fixed",
+                   help="fixed: compare with --tau; accept_rate: per-block threshold = the (1 - r) quantile of the draft "
+                        "scores so far (prior N(0.566, 1.071^2) worth 5 blocks), keeping about --accept-rate of the drafts")
+    p.add_argument("--accept-rate", type=finite_float, default=0.73, help="target share of kept drafts for --tau-mode accept_rate")
+    p.add_argument("--reward-preprocess", choices=("pil", "torch"), default="pil",
+                   help="pil (default): frames scored exactly as ImageReward does (8-bit, PIL bicubic, centre crop); "
+                        "torch: faster on-device resize (scores differ by ~1e-2, docs/reward_preprocessing.md)")
+    p.add_argument("--workers", choices=("auto", "1", "2"), default="auto",
+                   help="auto: overlap verification with the target when they sit on different devices (e.g. "
+                        "--drafter-device cuda:1 --aux-device cuda:1); 1: sequential; 2: two CPU threads. Same outputs")
 
 
 # ---- parser ---------------------------------------------------------------------------------------------------
@@ -826,6 +874,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "unless --overwrite)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier run's files in --out (and an existing --report); never done otherwise")
+    p.add_argument("--taus", default=None,
+                   help="one video per tau (e.g. --taus=-0.5,-1,-1.5): each reuses the blocks an earlier tau already "
+                        "made, up to its first changed decision (identical to separate runs); prints the time saved")
     # one consumer GPU (docs/memory.md)
     p.add_argument("--vram-gb", type=float, default=None,
                    help="plan for ONE card of this many GiB (e.g. 24, 16): sets --fp8-target, --offload, --kv-dtype, "
