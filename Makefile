@@ -25,6 +25,10 @@ bench: venv
 	$(VPY) bench/bench_reward.py
 	$(VPY) bench/bench_speed.py
 	$(VPY) bench/memory_plan.py
+	$(VPY) bench/cost_model.py
+	$(VPY) bench/bench_overlap.py
+	$(VPY) bench/bench_tau_sweep.py
+	$(VPY) bench/bench_toy_settings.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
