@@ -13,6 +13,12 @@ Per block (see :meth:`SpeculativePipeline.stream`, the whole loop on one screen)
 
 Both models' context updates are lazy (see :mod:`sdvg_engine.context`), so an accepted draft costs
 the target nothing until the target next has to generate.
+
+Where and when each step runs is not this module's business: steps are submitted to
+:mod:`sdvg_engine.workers` (one lazy lane = exactly the order above; with a worker of its own the target
+regenerates a block speculatively while its draft is verified, and decodes overlap the next block), and a
+run that differs from an earlier one only in tau starts with the blocks :mod:`sdvg_engine.memo` can replay.
+Every schedule gives bit-identical outputs.
 """
 
 from __future__ import annotations
@@ -404,7 +410,6 @@ class SpeculativePipeline:
             gen.context.restore(last.contexts_after[gen.name])
         self.vae.restore(last.vae_after)
         run.previous_features = last.previous_features_after
-        run.tau_state = plan.tau_state
         fpb = self.target.frames_per_block
         for block, decision in zip(blocks, plan.decisions):
             frames = unit_frames(block.pixels).permute(0, 2, 3, 1)
@@ -417,6 +422,8 @@ class SpeculativePipeline:
                                  latent_frames=(block.index * fpb, (block.index + 1) * fpb),
                                  video_frames=(f0, run.video_frames), frames=frames, replayed=True)
             run.records.append(record)
+            if run.tau_state is not None and block.drafted and decision is not None:
+                run.tau_state.observe(decision.block_score)  # the caller's state, if carried, sees the replayed drafts too
             run.replayed_seconds += block.seconds
             if run.recording is not None:
                 run.recording.blocks.append(dataclasses.replace(block, decision=decision))

@@ -186,3 +186,23 @@ def test_free_interval_is_where_no_decision_changes():
     assert inside.report["replay"]["replayed_blocks"] == 4 and inside.report["model_calls"]["target"] == {}
     assert generate(pipe, above).report["replay"]["replayed_blocks"] < 4  # tau == the highest reject accepts it
     assert generate(tiny_pipeline(), 0.0, mode="target_only").report["free_tau_interval"] is None
+
+
+def test_a_carried_adaptive_state_sees_replayed_drafts():
+    from sdvg_engine.router import RewardRouter
+
+    def adaptive_pipe():
+        pipe = tiny_pipeline()
+        pipe.router = RewardRouter(shared_parts()["scorer"], tau_mode="accept_rate", accept_rate=0.5)
+        return pipe
+
+    pipe = adaptive_pipe()
+    pipe.memo = ReplayMemo()
+    first_state, second_state, fresh_state = pipe.router.new_tau_state(), pipe.router.new_tau_state(), pipe.router.new_tau_state()
+    opts = dict(prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5)
+    pipe.generate(prompt_embeds(), tau_state=first_state, **opts)
+    replayed = pipe.generate(prompt_embeds(), tau_state=second_state, **opts)
+    fresh = adaptive_pipe().generate(prompt_embeds(), tau_state=fresh_state, **opts)
+    assert replayed.report["replay"]["replayed_blocks"] == 4
+    assert_same(replayed, fresh)
+    assert second_state.scores == fresh_state.scores == first_state.scores and len(fresh_state.scores) == 3
