@@ -437,13 +437,13 @@ def resolve_memory_args(args) -> tuple[str, str]:
     vram = getattr(args, "vram_gb", None)
     if vram is not None:
         if torch.device(args.device).type != "cuda":
-            raise SystemExit(f"--vram-gb plans one CUDA card, but --device is {args.device!r}; drop --vram-gb on the CPU")
+            raise ValueError(f"--vram-gb plans one CUDA card, but --device is {args.device!r}; drop --vram-gb on the CPU")
         if args.drafter_device or args.aux_device:
-            raise SystemExit("--vram-gb plans ONE card holding every model; it cannot be combined with "
+            raise ValueError("--vram-gb plans ONE card holding every model; it cannot be combined with "
                              "--drafter-device / --aux-device (two-card placement)")
         plan = plan_memory(vram, width=args.width, height=args.height, frames=args.frames)
         if not plan.fits:
-            raise SystemExit(f"--vram-gb {vram:g}: even the smallest plan ({plan.flags}) needs {plan.total_gib:.1f} GiB "
+            raise ValueError(f"--vram-gb {vram:g}: even the smallest plan ({plan.flags}) needs {plan.total_gib:.1f} GiB "
                              f"at {args.width}x{args.height}x{args.frames}; use a smaller size or a second card")
         args.fp8_target = args.fp8_target or plan.fp8_target
         if args.vae_dtype == "fp32":

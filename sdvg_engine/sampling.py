@@ -132,9 +132,10 @@ class SeededNoise:
 class TensorNoise:
     """Caller-supplied noise: ``initial`` is the whole video's noise ``[B, C, T, h, w]``.
 
-    ``steps`` (optional) maps ``(block, step)`` to re-noising tensors; missing entries fall back to
-    ``fallback`` (a :class:`SeededNoise`) so that explicit initial noise can be combined with seeded
-    re-noising. ``frames_per_block`` says how the video's frames split into blocks.
+    ``steps`` (optional) maps ``(block, step)`` to re-noising tensors. A draw missing from ``steps`` comes from
+    ``fallback`` (e.g. ``SeededNoise(seed)``) when one is given, so that explicit initial noise can be combined with
+    seeded re-noising; without a fallback a missing draw is an error naming the block and step (it used to fall
+    back silently to ``SeededNoise(0)``). ``frames_per_block`` says how the video's frames split into blocks.
     """
 
     def __init__(self, initial: torch.Tensor, frames_per_block: int, *, steps=None, fallback: SeededNoise | None = None):
@@ -143,7 +144,7 @@ class TensorNoise:
         self.initial_noise = initial.float().cpu()
         self.frames_per_block = frames_per_block
         self.steps = dict(steps or {})
-        self.fallback = fallback or SeededNoise(0)
+        self.fallback = fallback
 
     def initial(self, block_index: int, shape: Sequence[int]) -> torch.Tensor:
         f0 = block_index * self.frames_per_block
@@ -158,4 +159,9 @@ class TensorNoise:
     def step(self, block_index: int, step_index: int, shape: Sequence[int]) -> torch.Tensor:
         if (block_index, step_index) in self.steps:
             return self.steps[(block_index, step_index)].float().cpu()
+        if self.fallback is None:
+            raise ValueError(
+                f"explicit noise has no re-noising draw for block {block_index}, step {step_index} (shape {tuple(shape)}); "
+                f"give steps[({block_index}, {step_index})] for every block and every step but the last, or pass "
+                "fallback=SeededNoise(seed) to draw the missing ones")
         return self.fallback.step(block_index, step_index, shape)

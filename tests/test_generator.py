@@ -162,6 +162,12 @@ def test_explicit_noise_tensors(model):
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="no block 2"):
         TensorNoise(full, 3).initial(2, (1, 16, 3, H, W))
+    # Every draw given explicitly: the same video as the seeded source; a missing draw is an error, not seed 0.
+    steps = {(blk, k): video_noise.step(blk, k, (1, 16, 3, H, W)) for blk in range(2) for k in range(3)}
+    assert torch.equal(_run(gen, TensorNoise(full, 3, steps=steps), 2), a)
+    del steps[(1, 2)]
+    with pytest.raises(ValueError, match=r"no re-noising draw for block 1, step 2 .*fallback=SeededNoise"):
+        _run(gen, TensorNoise(full, 3, steps=steps), 2)
 
 
 def test_auto_schedule_follows_the_weights_not_the_scheme(tmp_path):
@@ -178,7 +184,8 @@ def test_auto_schedule_follows_the_weights_not_the_scheme(tmp_path):
 def test_noise_of_the_wrong_shape_is_named(model):
     gen = CausalGenerator(model, schedule="self_forcing", context=GlobalCache(max_frames=21))
     gen.start(text_context(), latent_height=H, latent_width=W, num_blocks=1)
-    noise = TensorNoise(torch.randn(1, 16, 3, H, W), 3, steps={(0, 1): torch.randn(1, 16, 3, H, 1)})
+    good = torch.randn(1, 16, 3, H, W)
+    noise = TensorNoise(good, 3, steps={(0, 0): good, (0, 1): torch.randn(1, 16, 3, H, 1), (0, 2): good})
     with pytest.raises(ValueError, match=r"noise for block 0 has shape \(1, 16, 3, 4, 1\), expected \(1, 16, 3, 4, 6\)"):
         gen.generate_block(0, noise)
 

@@ -180,11 +180,11 @@ def test_vram_gb_fills_the_flags_left_at_their_defaults(capsys):
     assert "--vram-gb 16: --fp8-target --offload both --kv-dtype fp8 --vae-dtype bf16" in capsys.readouterr().err
     assert resolve_memory_args(_args(vram_gb=16, offload="target", kv_dtype="bf16")) == ("target", "bf16")
     assert resolve_memory_args(_args()) == ("none", "auto")
-    with pytest.raises(SystemExit, match="--vram-gb plans one CUDA card, but --device is 'cpu'"):
+    with pytest.raises(ValueError, match="--vram-gb plans one CUDA card, but --device is 'cpu'"):
         resolve_memory_args(_args(vram_gb=24, device="cpu"))
-    with pytest.raises(SystemExit, match="cannot be combined with --drafter-device"):
+    with pytest.raises(ValueError, match="cannot be combined with --drafter-device"):
         resolve_memory_args(_args(vram_gb=24, drafter_device="cuda:1"))
-    with pytest.raises(SystemExit, match=r"--vram-gb 4: even the smallest plan .* needs"):
+    with pytest.raises(ValueError, match=r"--vram-gb 4: even the smallest plan .* needs"):
         resolve_memory_args(_args(vram_gb=4))
 
 
@@ -251,5 +251,6 @@ def test_generate_with_offload_on_the_cpu_fails_with_the_explanation(tmp_path, c
     assert main(common + ["--offload", "both"]) != 0
     assert ("streams the drafter's transformer blocks from CPU RAM to a CUDA GPU, but the drafter runs on 'cpu'"
             in capsys.readouterr().err)
-    with pytest.raises(SystemExit, match="--vram-gb plans one CUDA card, but --device is 'cpu'"):
-        main(common + ["--vram-gb", "24"])
+    assert main(common + ["--vram-gb", "24"]) == 2  # one line, exit 2, like every other CLI error
+    err = capsys.readouterr().err
+    assert "--vram-gb plans one CUDA card, but --device is 'cpu'" in err and "Traceback" not in err
