@@ -344,3 +344,30 @@ def test_offload_on_a_cpu_server_is_refused_by_the_loader(server):
     entry = server.wait(server.queue(again))
     report = _check_outputs(server, again, entry, "target_only")
     assert report["models"]["target"]["kv_dtype"] == "fp8" and "offload" not in report["models"]["target"]
+
+
+def test_changing_only_tau_replays_the_unchanged_blocks(server):
+    """Interactive tau: the second and third queue replay what did not change and equal a run without replay."""
+    prompt = api_workflow("sdvg_prompt_embeddings", seed=23)
+    router, sampler = node_id(prompt, "SDVGRewardRouter"), node_id(prompt, "SDVGSpeculativeSampler")
+
+    def run(tau, replay=True):
+        prompt[router]["inputs"]["tau"] = tau
+        prompt[sampler]["inputs"]["replay"] = replay
+        entry = server.wait(server.queue(prompt))
+        report = _check_outputs(server, prompt, entry, "sdvg")
+        video = entry["outputs"][node_id(prompt, "SaveVideo")]["images"][0]
+        return report, (server.output / video["subfolder"] / video["filename"]).read_bytes()
+
+    keep_all, keep_all_video = run(-5.0)
+    reject_all, _ = run(5.0)
+    assert reject_all["replay"]["replayed_blocks"] == 1  # block 0 is the target's either way
+    again, again_video = run(-5.0)
+    assert again["replay"]["replayed_blocks"] == 3 and again["replay"]["seconds_saved"] > 0
+    assert again["model_calls"] == {"drafter": {}, "target": {}}
+    assert again["seconds"]["wall"] < keep_all["seconds"]["wall"]
+    fresh, fresh_video = run(-5.0, replay=False)
+    assert fresh["replay"]["replayed_blocks"] == 0
+    assert again["decisions"] == fresh["decisions"] == keep_all["decisions"]
+    assert again["draft_scores"] == fresh["draft_scores"]
+    assert again_video == fresh_video == keep_all_video
