@@ -353,6 +353,17 @@ def _check_taus(args):
     return None
 
 
+@arg_check("--taus", "generate")
+def _check_generate_taus(args):
+    if args.taus is None:
+        return None
+    if args.mode != "sdvg":
+        return f"{args.taus}: one video per tau needs --mode sdvg (mode {args.mode} does not use tau)"
+    if args.tau_mode != "fixed":
+        return f"{args.taus}: --tau-mode {args.tau_mode} sets its own thresholds; use --tau-mode fixed with --taus"
+    return None
+
+
 @arg_check("--accept-rate", "generate", "bench")
 def _check_accept_rate(args):
     rate = args.accept_rate

@@ -139,7 +139,8 @@ class ReplayMemo:
             return [r for r in reversed(self._recordings.values()) if r.key == key]
 
     def store(self, recording: Recording) -> bool:
-        """Keep ``recording`` (replacing an identical-key recording it extends); drop the oldest beyond the cap."""
+        """Keep ``recording`` as the newest; drop the oldest recordings beyond the cap (blocks a replayed run shares
+        with its source recording are the same tensors and counted once)."""
         if recording.nbytes > self.max_bytes:
             return False
         with self._lock:

@@ -40,7 +40,7 @@ from .report import BlockRecord, ComponentTimer, Lap, build_report
 from .router import RandomRouter, RewardRouter, RouteDecision, TauState
 from .sampling import NoiseSource, SeededNoise
 from .memo import Recording, RecordedBlock, ReplayMemo, _cpu, plan_replay
-from .workers import COMPONENTS, Workers, plan_lanes, wait
+from .workers import COMPONENTS, StoppedByOtherWorker, Workers, plan_lanes, wait
 
 MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random")
 TEXT_LEN = 512
@@ -451,6 +451,9 @@ class SpeculativePipeline:
     # ---- setup and results --------------------------------------------------------------------------
     def _begin(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, noise, cancel, before_call,
                tau_state, workers):
+        previous = getattr(self, "_run", None)
+        if previous is not None:  # a stream left unfinished must not keep working on the models this run resets
+            previous.workers.abandon()
         opts.validate(self.router)
         if width % 16 or height % 16 or width <= 0 or height <= 0:
             raise ValueError(f"width and height must be positive multiples of 16, got {width}x{height}")
@@ -656,7 +659,7 @@ class _Run:
         if self.cancel is not None and self.cancel.cancelled:
             raise GenerationCancelled(f"generation cancelled before a {component} {kind}")
         if self.workers.failed.is_set():
-            raise GenerationCancelled(f"stopped before a {component} {kind}: another worker of this run failed "
-                                      f"({self.workers.first_error!r})")
+            raise StoppedByOtherWorker(f"stopped before a {component} {kind}: another worker of this run failed "
+                                       f"({self.workers.first_error!r})")
         if self.before_call is not None:
             self.before_call(component, kind)

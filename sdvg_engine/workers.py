@@ -35,11 +35,16 @@ class SpeculationDropped(Exception):
     """Raised inside a dropped speculative task at its next model call; never leaves this module."""
 
 
-class _Task:
-    __slots__ = ("fn", "future", "label")
+class StoppedByOtherWorker(RuntimeError):
+    """Raised on a worker at its next model call after another worker's task failed. :meth:`Workers.result`
+    turns it back into that first error, which is what the caller sees."""
 
-    def __init__(self, fn: Callable, label: str):
-        self.fn, self.future, self.label = fn, Future(), label
+
+class _Task:
+    __slots__ = ("fn", "future", "label", "speculative")
+
+    def __init__(self, fn: Callable, label: str, speculative: bool = False):
+        self.fn, self.future, self.label, self.speculative = fn, Future(), label, speculative
 
 
 class _Lane:
@@ -69,7 +74,8 @@ class _Lane:
             task.future.set_result(task.fn())
         except BaseException as err:  # handed to whoever waits for the future; the lane keeps serving
             task.future.set_exception(err)
-            if not isinstance(err, SpeculationDropped):
+            # A speculative task's error matters only if its result is used (a reject): it is raised there.
+            if not task.speculative:
                 self._on_error(err)
         finally:
             self.busy_seconds += time.perf_counter() - started
@@ -161,20 +167,26 @@ class Workers:
     def same_lane(self, a: str, b: str) -> bool:
         return self.lanes[a] == self.lanes[b]
 
-    def submit(self, component: str, fn: Callable, *args, **kwargs) -> Future:
+    def submit(self, component: str, fn: Callable, *args, _speculative: bool = False, **kwargs) -> Future:
         """Queue ``fn(*args, **kwargs)`` on ``component``'s lane; futures among ``args`` are resolved first."""
         def call():
             return fn(*(wait(a) for a in args), **{k: wait(v) for k, v in kwargs.items()})
 
-        task = _Task(call, component)
+        task = _Task(call, component, speculative=_speculative)
         self._lanes[self.lanes[component]].submit(task)
         return task.future
 
     def result(self, future: Future):
-        """Wait for ``future`` (running the lazy lane up to it) and return its value or raise its error."""
+        """Wait for ``future`` (running the lazy lane up to it) and return its value or raise its error; a worker
+        stopped because another failed raises that other, first error (a cancel, an interrupt, out of memory ...)."""
         if not self.parallel and not future.done():
             next(iter(self._lanes.values())).run_until(future)
-        return future.result()
+        try:
+            return future.result()
+        except StoppedByOtherWorker:
+            if self.first_error is not None:
+                raise self.first_error from None
+            raise
 
     def speculate(self, component: str, gen, fn: Callable, *args) -> "Speculation":
         """Queue speculative work of generator ``gen``; :meth:`Speculation.drop` stops it at its next model call."""
@@ -205,7 +217,7 @@ class Workers:
 
         with self._lock:
             self.speculations += 1
-        spec.future = self.submit(component, task, *args)
+        spec.future = self.submit(component, task, *args, _speculative=True)
         return spec
 
     def busy_seconds(self) -> dict[str, float]:
@@ -219,6 +231,10 @@ class Workers:
 
     def __enter__(self) -> "Workers":
         return self
+
+    def abandon(self) -> None:
+        """Stop a run whose stream was left unfinished: its lanes stop at their next model call and are joined."""
+        self.__exit__(SpeculationDropped, None, None)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:

@@ -159,3 +159,57 @@ def test_a_slow_target_still_busy_with_a_dropped_block_does_not_spoil_the_next()
     overlapped = tiny_pipeline(tau=tau).generate(prompt_embeds(), workers=2, **kwargs)
     assert_same(sequential, overlapped)
     assert overlapped.report["schedule"]["dropped_speculative_blocks"] >= 1
+
+
+def test_a_failure_in_dropped_speculation_does_not_fail_the_run():
+    """The sequential schedule never runs the target on an accepted block; the overlapped one must not fail because
+    its dropped speculative work did."""
+    def failing_target(component, kind):
+        if component == "target" and kind == "denoise" and failing_target.armed:
+            raise RuntimeError("target out of memory (simulated)")
+
+    failing_target.armed = False
+
+    def arm(component, kind):  # block 0 is the target's own: fail only afterwards
+        failing_target(component, kind)
+
+    kwargs = dict(prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5, before_call=arm,
+                  on_block=lambda r: setattr(failing_target, "armed", True))
+    sequential = tiny_pipeline(tau=-math.inf).generate(prompt_embeds(), workers=1, **kwargs)
+    failing_target.armed = False
+    overlapped = tiny_pipeline(tau=-math.inf).generate(prompt_embeds(), workers=2, **kwargs)
+    assert_same(sequential, overlapped)
+    assert not sdvg_threads()
+
+
+def test_the_first_error_is_what_the_caller_sees():
+    """A worker stopped because another failed raises StoppedByOtherWorker; waiting on it gives the first error."""
+    import time
+
+    from sdvg_engine.workers import StoppedByOtherWorker
+
+    with pytest.raises(MemoryError, match="target out of memory"):
+        with Workers({"target": "lead", "drafter": "side", "vae": "side", "reward": "side"}) as workers:
+            def target_fails():
+                raise MemoryError("target out of memory (simulated)")
+
+            def independent_decode():
+                time.sleep(0.2)  # its model call comes after the target's failure
+                if workers.failed.is_set():
+                    raise StoppedByOtherWorker("stopped: another worker failed")
+                return "pixels"
+
+            workers.submit("target", target_fails)
+            workers.result(workers.submit("vae", independent_decode))
+    assert not sdvg_threads()
+
+
+def test_an_abandoned_stream_is_stopped_by_the_next_run():
+    pipe = tiny_pipeline(tau=0.0)
+    stream = pipe.stream(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5, workers=2)
+    next(stream)  # block 0, then left unfinished with work queued on both workers
+    result = pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5, workers=2)
+    assert_same(result, tiny_pipeline(tau=0.0).generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH,
+                                                        height=HEIGHT, seed=5, workers=1))
+    stream.close()
+    assert not sdvg_threads()
