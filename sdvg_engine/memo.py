@@ -37,18 +37,6 @@ def _cpu(value):
     return value
 
 
-def _nbytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(_nbytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if hasattr(value, "__dataclass_fields__"):
-        return sum(_nbytes(getattr(value, k)) for k in value.__dataclass_fields__)
-    return 0
-
-
 @dataclass(frozen=True)
 class RecordedBlock:
     """One finished block and the state right after it (CPU tensors; never changed once recorded)."""
@@ -64,10 +52,6 @@ class RecordedBlock:
     previous_features_after: torch.Tensor | None
     seconds: float  # component seconds this block took (what a replay saves)
 
-    @property
-    def nbytes(self) -> int:
-        return _nbytes([self.latents, self.pixels, self.vae_after, self.contexts_after, self.previous_features_after])
-
 
 @dataclass
 class Recording:
@@ -76,14 +60,19 @@ class Recording:
 
     @property
     def nbytes(self) -> int:
-        # Blocks shared between recordings (a replayed prefix) hold the same tensors: count each tensor once.
-        seen, total = set(), 0
-        for block in self.blocks:
-            for t in _tensors([block.latents, block.pixels, block.vae_after, block.contexts_after, block.previous_features_after]):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
-        return total
+        return _unique_nbytes(self.blocks)
+
+
+def _unique_nbytes(blocks) -> int:
+    """Bytes held by ``blocks``; blocks shared between recordings (a replayed prefix) hold the same tensors, so each
+    tensor counts once."""
+    seen, total = set(), 0
+    for block in blocks:
+        for t in _tensors([block.latents, block.pixels, block.vae_after, block.contexts_after, block.previous_features_after]):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
 
 
 def _tensors(value):
@@ -120,15 +109,7 @@ class ReplayMemo:
             return self._nbytes_locked()
 
     def _nbytes_locked(self) -> int:
-        seen, total = set(), 0
-        for rec in self._recordings.values():
-            for block in rec.blocks:
-                for t in _tensors([block.latents, block.pixels, block.vae_after, block.contexts_after,
-                                   block.previous_features_after]):
-                    if id(t) not in seen:
-                        seen.add(id(t))
-                        total += t.numel() * t.element_size()
-        return total
+        return _unique_nbytes(block for rec in self._recordings.values() for block in rec.blocks)
 
     def __len__(self) -> int:
         return len(self._recordings)
@@ -180,7 +161,6 @@ class ReplayPlan:
     recording: Recording
     reuse: int
     decisions: list[RouteDecision | None]
-    tau_state: TauState | None
 
 
 def plan_replay(recordings: list[Recording], router, options, tau_state: TauState | None) -> ReplayPlan | None:
@@ -199,5 +179,5 @@ def plan_replay(recordings: list[Recording], router, options, tau_state: TauStat
                 state.observe(decision.block_score)
             decisions.append(decision)
         if decisions and (best is None or len(decisions) > best.reuse):
-            best = ReplayPlan(rec, len(decisions), decisions, state)
+            best = ReplayPlan(rec, len(decisions), decisions)
     return best

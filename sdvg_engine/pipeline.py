@@ -31,7 +31,7 @@ import time
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -289,19 +289,19 @@ class SpeculativePipeline:
         decoded = run.submit("vae", self._decode, run, sample)
         return self._commit(run, b, sample, decoded, source="target", drafted=drafted, decision=decision)
 
-    def _decode(self, run, sample: BlockSample):
-        """Decode a block: ``(pixels, lap)``; the :class:`Lap` is what an all-target run would pay for this block too."""
+    def _decode(self, run, sample: BlockSample) -> "_Decoded":
+        """Decode a block; its :class:`Lap` is what an all-target run would pay for this block too."""
         with self._measure(run, "vae") as lap:
             pixels = self.vae.decode_block(sample.latents)
-        return None, pixels, lap, self.vae.snapshot()
+        return _Decoded(None, pixels, lap, self.vae.snapshot())
 
-    def _snapshot_and_decode(self, run, sample: BlockSample):
+    def _snapshot_and_decode(self, run, sample: BlockSample) -> "_Decoded":
         """Decode a draft, keeping the VAE state from before it, to roll back to on reject."""
         before = self.vae.snapshot()
-        return (before,) + self._decode(run, sample)[1:]
+        return self._decode(run, sample)._replace(vae_before=before)
 
-    def _restore(self, decoded) -> None:
-        self.vae.restore(decoded[0])
+    def _restore(self, decoded: "_Decoded") -> None:
+        self.vae.restore(decoded.vae_before)
 
     def _route(self, run, b, decoded) -> RouteDecision | None:
         """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
@@ -313,7 +313,7 @@ class SpeculativePipeline:
         return run.workers.result(run.submit("reward", self._score_draft, run, decoded))
 
     def _score_draft(self, run, decoded) -> RouteDecision:
-        frames = unit_frames(decoded[1])
+        frames = unit_frames(decoded.pixels)
         tau = self.router.block_tau(run.tau_state)
         decision = self._timed(run, "reward", lambda: self._score(run, frames, tau))
         run.tau_state.observe(decision.block_score)
@@ -356,46 +356,53 @@ class SpeculativePipeline:
 
     @staticmethod
     def _commit_to(gen, b, sample, decoded) -> tuple:
-        gen.commit_block(b, sample.latents, None if decoded is None else decoded[1])
+        gen.commit_block(b, sample.latents, None if decoded is None else decoded.pixels)
         return gen.context.snapshot()  # the state a replay restores to resume after this block
 
     def _seam_features(self, run, decoded):
-        last = unit_frames(decoded[1][:, :, -1:])
+        last = unit_frames(decoded.pixels[:, :, -1:])
         return self._timed(run, "reward", lambda: self.router.score_frames(last, run.prompt_features).image_features[-1])
 
     def _finish_block(self, run, block: "_Block") -> BlockRecord:
         """Wait for a committed block's frames and record it (in block order)."""
-        sample = run.workers.result(block.sample) if isinstance(block.sample, Future) else block.sample
-        _, pixels, lap, vae_after = run.workers.result(block.decoded)
-        if not torch.isfinite(sample.latents).all() or not torch.isfinite(pixels).all():
+        sample = run.workers.result(block.sample)
+        decoded = run.workers.result(block.decoded)
+        finite_latents = bool(torch.isfinite(sample.latents).all())
+        if not finite_latents or not torch.isfinite(decoded.pixels).all():
             model = "drafter" if block.source == "draft" else "target"
             raise NonFiniteOutputError(
                 f"block {block.index}: the {model}'s output is not finite (NaN or inf) in "
-                f"{'its latents' if not torch.isfinite(sample.latents).all() else 'its decoded frames'}; nothing of this "
+                f"{'its decoded frames' if finite_latents else 'its latents'}; nothing of this "
                 "block is kept. Check the weights (a corrupt or wrongly quantized checkpoint), the dtype (try bf16 or "
                 "fp32) and the prompt embeddings.")
-        frames = unit_frames(pixels).permute(0, 2, 3, 1).cpu()  # [T, H, W, 3]
-        f0 = run.video_frames
-        run.video_frames += frames.shape[0]
-        run.latents.append(sample.latents.float().cpu())
-        run.mask.append(torch.full((frames.shape[0],), 1.0 if block.source == "draft" else 0.0))
-        run.frames.append(frames)
-        fpb = self.target.frames_per_block
-        record = BlockRecord(index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
-                             decode=lap, latent_frames=(block.index * fpb, (block.index + 1) * fpb),
-                             video_frames=(f0, run.video_frames), frames=frames)
+        record = self._append_block(run, block.index, block.source, block.drafted, block.decision,
+                                    sample.latents.float().cpu(), decoded.pixels, decode=decoded.lap)
         now = run.timer.seconds
         record.seconds = {k: v - run.block_seconds.get(k, 0.0) for k, v in now.items() if v - run.block_seconds.get(k, 0.0) > 0}
         run.block_seconds = dict(now)
-        run.records.append(record)
         if run.recording is not None:
             run.recording.blocks.append(RecordedBlock(
                 index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
-                latents=run.latents[-1], pixels=_cpu(pixels), vae_after=_cpu(vae_after),
+                latents=run.latents[-1], pixels=_cpu(decoded.pixels), vae_after=_cpu(decoded.vae_after),
                 contexts_after={name: _cpu(run.workers.result(f)) for name, f in block.contexts_after.items()},
                 previous_features_after=_cpu(run.workers.result(block.previous_features_after)
                                              if isinstance(block.previous_features_after, Future) else block.previous_features_after),
                 seconds=sum(record.seconds.values())))
+        return record
+
+    def _append_block(self, run, index, source, drafted, decision, latents, pixels, **record_fields) -> BlockRecord:
+        """Add a final block's frames, latents (CPU float32) and mask to the run, and its :class:`BlockRecord`."""
+        frames = unit_frames(pixels).permute(0, 2, 3, 1).cpu()  # [T, H, W, 3]
+        f0 = run.video_frames
+        run.video_frames += frames.shape[0]
+        run.latents.append(latents)
+        run.mask.append(torch.full((frames.shape[0],), 1.0 if source == "draft" else 0.0))
+        run.frames.append(frames)
+        fpb = self.target.frames_per_block
+        record = BlockRecord(index=index, source=source, drafted=drafted, decision=decision,
+                             latent_frames=(index * fpb, (index + 1) * fpb), video_frames=(f0, run.video_frames),
+                             frames=frames, **record_fields)
+        run.records.append(record)
         return record
 
     # ---- replay ---------------------------------------------------------------------------------------
@@ -410,18 +417,9 @@ class SpeculativePipeline:
             gen.context.restore(last.contexts_after[gen.name])
         self.vae.restore(last.vae_after)
         run.previous_features = last.previous_features_after
-        fpb = self.target.frames_per_block
         for block, decision in zip(blocks, plan.decisions):
-            frames = unit_frames(block.pixels).permute(0, 2, 3, 1)
-            f0 = run.video_frames
-            run.video_frames += frames.shape[0]
-            run.latents.append(block.latents)
-            run.mask.append(torch.full((frames.shape[0],), 1.0 if block.source == "draft" else 0.0))
-            run.frames.append(frames)
-            record = BlockRecord(index=block.index, source=block.source, drafted=block.drafted, decision=decision,
-                                 latent_frames=(block.index * fpb, (block.index + 1) * fpb),
-                                 video_frames=(f0, run.video_frames), frames=frames, replayed=True)
-            run.records.append(record)
+            record = self._append_block(run, block.index, block.source, block.drafted, decision, block.latents,
+                                        block.pixels, replayed=True)
             if run.tau_state is not None and block.drafted and decision is not None:
                 run.tau_state.observe(decision.block_score)  # the caller's state, if carried, sees the replayed drafts too
             run.replayed_seconds += block.seconds
@@ -597,8 +595,8 @@ class _Block:
     source: str
     drafted: bool
     decision: RouteDecision | None
-    sample: object  # BlockSample or a Future of one
-    decoded: object  # Future of (VAE state before or None, pixels, decode Lap, VAE state after)
+    sample: Future  # of the block's BlockSample
+    decoded: Future  # of its _Decoded
     contexts_after: dict  # generator name -> Future of its context snapshot after this commit
     previous_features_after: object  # seam features after this block (a tensor, None or a Future)
 
@@ -617,6 +615,16 @@ def free_tau_interval(records: list[BlockRecord], options: SDVGOptions, router) 
             "flip_tau_per_block": [r.decision.block_score if r.decision is not None and math.isfinite(r.decision.block_score)
                                    else None for r in records],
             "exact": not options.cascade}
+
+
+class _Decoded(NamedTuple):
+    """A decoded block: the VAE state before it (drafts only, to roll back on reject), its pixels
+    ``[B, 3, T, H, W]`` in [-1, 1], the decode's :class:`Lap`, and the VAE state after it (what a replay restores)."""
+
+    vae_before: object
+    pixels: torch.Tensor
+    lap: Lap
+    vae_after: object
 
 
 def _model_identity(gen: CausalGenerator) -> tuple:

@@ -41,10 +41,10 @@ class StoppedByOtherWorker(RuntimeError):
 
 
 class _Task:
-    __slots__ = ("fn", "future", "label", "speculative")
+    __slots__ = ("fn", "future", "speculative")
 
-    def __init__(self, fn: Callable, label: str, speculative: bool = False):
-        self.fn, self.future, self.label, self.speculative = fn, Future(), label, speculative
+    def __init__(self, fn: Callable, speculative: bool = False):
+        self.fn, self.future, self.speculative = fn, Future(), speculative
 
 
 class _Lane:
@@ -172,7 +172,7 @@ class Workers:
         def call():
             return fn(*(wait(a) for a in args), **{k: wait(v) for k, v in kwargs.items()})
 
-        task = _Task(call, component, speculative=_speculative)
+        task = _Task(call, speculative=_speculative)
         self._lanes[self.lanes[component]].submit(task)
         return task.future
 
@@ -247,7 +247,7 @@ class Workers:
 
 
 class Speculation:
-    """A speculative task's handle: :meth:`drop` it when its result is not needed, or :meth:`result` it."""
+    """A speculative task's handle: :meth:`drop` it when its result is not needed, or wait for :attr:`future`."""
 
     def __init__(self, workers: Workers):
         self.workers = workers
@@ -258,9 +258,6 @@ class Speculation:
         self.dropped.set()
         with self.workers._lock:
             self.workers.dropped += 1
-
-    def result(self):
-        return self.workers.result(self.future)
 
 
 def wait(value):
