@@ -63,24 +63,25 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest() -> dict:
+def write_manifest(weights: Path = WEIGHTS) -> dict:
     entries = {}
     for name, file in FILES.items():
-        path = WEIGHTS / file
+        path = Path(weights) / file
         if path.exists():
             entries[file] = {"sha256": sha256(path), "bytes": path.stat().st_size}
-    MANIFEST.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+    (Path(weights) / MANIFEST.name).write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
     return entries
 
 
-def check_weights(names=tuple(FILES)) -> None:
+def check_weights(names=tuple(FILES), weights: Path = WEIGHTS) -> None:
     """Raise if a weight file is missing or its sha256 differs from MANIFEST.json."""
-    if not MANIFEST.exists():
-        raise FileNotFoundError(f"{MANIFEST} is missing; run scripts/train_toy.py all")
-    manifest = json.loads(MANIFEST.read_text())
+    manifest_path = Path(weights) / MANIFEST.name
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"{manifest_path} is missing; run scripts/train_toy.py all")
+    manifest = json.loads(manifest_path.read_text())
     for name in names:
         file = FILES[name]
-        path = WEIGHTS / file
+        path = Path(weights) / file
         if not path.exists() or file not in manifest:
             raise FileNotFoundError(f"toy weight {path} (or its MANIFEST entry) is missing; run scripts/train_toy.py {name}")
         digest = sha256(path)
@@ -137,13 +138,16 @@ class ToyModels:
     scorer: object  # ImageRewardScorer
 
 
-def load_toy_models(check: bool = True) -> ToyModels:
-    """Load the four shipped models (float32, CPU) after checking their hashes."""
+def load_toy_models(check: bool = True, weights: Path = WEIGHTS) -> ToyModels:
+    """Load the four shipped models (float32, CPU) after checking their hashes. ``weights``: another folder
+    laid out like ``weights/`` (e.g. a training run's staging folder)."""
     from sdvg_engine.models.loading import load_causal_wan
     from sdvg_engine.vae import StreamingWanVAE
 
+    weights = Path(weights)
     if check:
-        check_weights()
-    drafter, _ = load_causal_wan(WEIGHTS / FILES["drafter"], dtype=torch.float32)
-    target, _ = load_causal_wan(WEIGHTS / FILES["target"], dtype=torch.float32)
-    return ToyModels(vae=StreamingWanVAE(load_vae()), drafter=drafter.eval(), target=target.eval(), scorer=load_reward())
+        check_weights(weights=weights)
+    drafter, _ = load_causal_wan(weights / FILES["drafter"], dtype=torch.float32)
+    target, _ = load_causal_wan(weights / FILES["target"], dtype=torch.float32)
+    return ToyModels(vae=StreamingWanVAE(load_vae(weights / FILES["vae"])), drafter=drafter.eval(), target=target.eval(),
+                     scorer=load_reward(weights / FILES["reward"]))
