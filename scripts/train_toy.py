@@ -90,11 +90,16 @@ def latent_code(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(B, T, 12, H // 8, W // 8).transpose(1, 2)
 
 
-def vae_batch(rng, scenes, batch, frames):
-    """``batch`` windows of ``frames`` frames (starting on a chunk boundary) of random seeded world clips."""
+def vae_batch(rng, scenes, batch, frames, colour_weights=None):
+    """``batch`` windows of ``frames`` frames (starting on a chunk boundary) of random seeded world clips;
+    ``colour_weights`` (``{colour: weight}``, default 1) draws the scenes of some colours more often."""
     clips = []
+    p = None
+    if colour_weights:
+        w = np.array([colour_weights.get(s.colour, 1.0) for s in scenes])
+        p = w / w.sum()
     for _ in range(batch):
-        s = scenes[rng.integers(len(scenes))]
+        s = scenes[rng.choice(len(scenes), p=p)] if p is not None else scenes[rng.integers(len(scenes))]
         clip = render(s, NUM_FRAMES, int(rng.integers(1 << 30)))
         start = 4 * int(rng.integers(0, (NUM_FRAMES - frames) // 4 + 1))
         clips.append(clip[start : start + frames])
@@ -154,7 +159,7 @@ def train_vae(args):
     image_steps = 0 if args.resume else int(0.4 * args.steps)
     began = time.time()
     for step in state.steps(args.steps):
-        x = vae_batch(rng, scenes, 16, 1) if step < image_steps else vae_batch(rng, scenes, args.batch, args.window)
+        x = vae_batch(rng, scenes, 16, 1) if step < image_steps else vae_batch(rng, scenes, args.batch, args.window, args.colour_weights)
         z = vae.encode(x).latent_dist.mean
         z_in = z + 0.05 * z.detach().std() * torch.randn_like(z)  # robustness to generated latents
         out = vae.decode(z_in).sample
@@ -501,6 +506,27 @@ def first_block_loss(model, latents, scene_index, rows, counts, sigmas, rng, bat
     return F.mse_loss(pred, noise - x0)
 
 
+def grow_depth(model, shallow) -> None:
+    """Initialise ``model`` from a shallower DiT of the same width (block expansion): shallow layer i becomes
+    layer ``i * k`` and the ``k - 1`` layers after it are copies of it whose attention and FFN output projections
+    are zero, so they start as the identity and the grown model computes exactly what ``shallow`` computed.
+    Used to deepen the toy target to the real cost ratio without retraining it from scratch."""
+    depth, shallow_depth = len(model.blocks), len(shallow.blocks)
+    if depth % shallow_depth:
+        raise SystemExit(f"cannot grow {shallow_depth} layers into {depth}: the depth must be a multiple")
+    k = depth // shallow_depth
+    state = {key: v for key, v in shallow.state_dict().items() if not key.startswith("blocks.")}
+    for key, v in shallow.state_dict().items():
+        if key.startswith("blocks."):
+            _, i, rest = key.split(".", 2)
+            for j in range(k):
+                copy = v.clone()
+                if j > 0 and rest.startswith(("attn1.to_out.0.", "attn2.to_out.0.", "ffn.net.2.")):
+                    copy.zero_()
+                state[f"blocks.{int(i) * k + j}.{rest}"] = copy
+    model.load_state_dict(state, strict=True)
+
+
 def train_dit(args):
     from sdvg_engine.models.loading import save_checkpoint
     from sdvg_engine.sampling import SELF_FORCING_SCHEDULE
@@ -521,19 +547,23 @@ def train_dit(args):
     counts = torch.stack([caption_rows(s.caption)[1] for s in scenes])
     torch.manual_seed(args.seed + (1 if which == "target" else 2))
     rng = np.random.default_rng(args.seed + (1 if which == "target" else 2))
-    model = toy_models.build_dit(which).float().train()
-    if args.resume:  # continue from the shipped weights (a fresh optimizer and learning-rate schedule)
+    model = toy_models.build_dit(which, num_layers=args.layers).float().train()
+    if args.resume:  # continue from the staged weights (a fresh optimizer and learning-rate schedule)
         from sdvg_engine.models.loading import load_causal_wan
 
-        shipped, _ = load_causal_wan(WEIGHTS / toy_models.FILES[which], dtype=torch.float32)
-        model.load_state_dict(shipped.state_dict())
-    ema = toy_models.build_dit(which).float().eval().requires_grad_(False)
+        staged, _ = load_causal_wan(OUT / toy_models.FILES[which], dtype=torch.float32)
+        if len(staged.blocks) == len(model.blocks):
+            model.load_state_dict(staged.state_dict())
+        else:
+            grow_depth(model, staged)
+            log(f"{which}: grown from {len(staged.blocks)} to {len(model.blocks)} layers (identity-initialised new layers)")
+    ema = toy_models.build_dit(which, num_layers=args.layers).float().eval().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     drafter = None
     if args.drafter_context > 0:  # the shipped drafter supplies context blocks (see clip_loss)
         from sdvg_engine.models.loading import load_causal_wan
 
-        drafter = load_causal_wan(WEIGHTS / toy_models.FILES["drafter"], dtype=torch.float32)[0].eval()
+        drafter = load_causal_wan(OUT / toy_models.FILES["drafter"], dtype=torch.float32)[0].eval()
     lr = args.lr or 1e-3
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sigmas = torch.tensor(SELF_FORCING_SCHEDULE.sigmas, dtype=torch.float32)
@@ -543,8 +573,9 @@ def train_dit(args):
                               (sigmas[torch.randint(0, 4, (1, n_blocks))] * 1000).repeat_interleave(fpb, 1), scenes[int(scene_index[0])].caption)
     model.train()
     log(f"{which}: {sum(p.numel() for p in model.parameters())} params; train_forward vs forward_block max err {err:.2e}")
+    state = RunState(args, {"model": model, "ema": ema}, opt, rng)
     began = time.time()
-    for step in range(args.steps):
+    for step in state.steps(args.steps):
         loss = torch.zeros(())
         if not args.first_block_only:
             loss = loss + clip_loss(model, latents, scene_index, rows, counts, sigmas, rng, B, args.self_context, fpb,
@@ -564,12 +595,25 @@ def train_dit(args):
                     pe.lerp_(pm, 1 - decay)
         if step % 25 == 0 or step == args.steps - 1:
             log(f"{which} step {step} loss {loss.item():.4f} ({time.time() - began:.0f}s)")
-    save_checkpoint((ema if args.ema else model).to(torch.bfloat16), WEIGHTS / toy_models.FILES[which], context_scheme="global_cache")
-    toy_models.write_manifest()
+    state.finish()
+    save_checkpoint((ema if args.ema else model).to(torch.bfloat16), OUT / toy_models.FILES[which], context_scheme="global_cache")
+    toy_models.write_manifest(OUT)
     log(f"{which} saved")
 
 
 DEFAULTS = {"vae": (4000, 4), "reward": (1500, 32), "latents": (0, 0), "target": (800, 4), "drafter": (1500, 4)}  # (steps, batch)
+
+
+def colour_weights(text: str) -> dict:
+    from sdvg_engine.toy.world import COLOURS
+
+    out = {}
+    for item in text.split(","):
+        name, _, weight = item.partition(":")
+        if name not in COLOURS or not weight:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected colour:weight with a colour in {sorted(COLOURS)}")
+        out[name] = float(weight)
+    return out
 
 
 def main(argv=None):
@@ -595,6 +639,9 @@ def main(argv=None):
                    help="target, drafter: train on context-free first blocks only (needs --first-block-batch)")
     p.add_argument("--no-ema", dest="ema", action="store_false", help="target, drafter: save the trained weights, not their EMA")
     p.add_argument("--window", type=int, default=9, help="vae: frames per training clip in the video phase (4k + 1)")
+    p.add_argument("--colour-weights", type=colour_weights, default=None,
+                   help="vae: draw clips of these colours more often, e.g. blue:2,yellow:2 (the colours whose round trip "
+                        "collapsed last; see vae_block_quality)")
     p.add_argument("--eval-every", type=int, default=0, help="vae: log the per-block round trip every this many steps")
     p.add_argument("--weights-dir", type=Path, default=WEIGHTS,
                    help="read and write the weights here (default: the shipped folder; copy it to stage a retraining)")
@@ -603,6 +650,9 @@ def main(argv=None):
     p.add_argument("--run", default=None, help="name of a resumable run: its state is saved every --save-every steps "
                                                "and the same command continues it (all: one name per job)")
     p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--layers", type=int, default=None,
+                   help="target, drafter: number of layers (default: models.TARGET_CONFIG / DRAFTER_CONFIG); with --resume "
+                        "from a shallower checkpoint the model is grown (grow_depth)")
     args = p.parse_args(argv)
     global OUT
     OUT = args.weights_dir
@@ -629,15 +679,23 @@ def main(argv=None):
                                 drafter_context=0.4, first_block_batch=16))]
     else:
         jobs = [(args.what, {})]
-    for job, overrides in jobs:
+    for i, (job, overrides) in enumerate(jobs):
         a = argparse.Namespace(**{**vars(args), **overrides})
         a.steps = a.steps if a.steps is not None else DEFAULTS[job][0]
         a.batch = a.batch if a.batch is not None else DEFAULTS[job][1]
+        done = Path(a.state_dir) / f"all-{i:02d}-{job}.done"
+        if args.what == "all":  # every job resumable; a finished one is skipped when `all` runs again
+            a.run = overrides.get("run", f"all-{i:02d}-{job}")  # two jobs may share one run (a schedule change)
+            if done.exists():
+                log(f"{done.stem}: done earlier, skipped")
+                continue
         torch.set_num_threads(a.threads)
         began = time.time()
         fn = {"vae": train_vae, "reward": train_reward, "latents": encode_latents, "target": train_dit, "drafter": train_dit}[job]
         a.which = job
         fn(a)
+        if args.what == "all":
+            done.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
         log(f"{job} done in {time.time() - began:.0f}s")
 
 

@@ -76,3 +76,53 @@ def test_dit_losses_are_finite_and_first_block_only_needs_a_batch(train_toy, dra
         train_toy.main(["target", "--batch", "0"])
     with pytest.raises(SystemExit, match="--drafter-context is for the target"):
         train_toy.main(["drafter", "--drafter-context", "0.5"])
+
+
+def test_grow_depth_starts_as_the_shallow_model(train_toy):
+    """The deepened target (block expansion) computes exactly what the shallower one did before training."""
+    from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel
+    from sdvg_engine.toy.text import embed_caption
+
+    torch.manual_seed(0)
+    shallow = CausalWanTransformer3DModel(**dict(toy_models.DRAFTER_CONFIG, num_layers=2)).eval()
+    deep = CausalWanTransformer3DModel(**dict(toy_models.DRAFTER_CONFIG, num_layers=4)).eval()
+    train_toy.grow_depth(deep, shallow)
+    assert torch.equal(deep.blocks[2].attn1.to_q.weight, shallow.blocks[1].attn1.to_q.weight)
+    assert not deep.blocks[3].ffn.net[2].weight.any()
+    x, t = _clip(3), torch.tensor([[937.5] * 9])
+    rows, counts = train_toy.caption_rows(all_scenes()[9].caption)
+    with torch.no_grad():
+        a = train_toy.train_forward(shallow, x, x, t, rows[None], counts[None])
+        b = train_toy.train_forward(deep, x, x, t, rows[None], counts[None])
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SystemExit, match="cannot grow 2 layers into 3"):
+        train_toy.grow_depth(CausalWanTransformer3DModel(**dict(toy_models.DRAFTER_CONFIG, num_layers=3)), shallow)
+
+
+def test_run_state_resumes_bit_exactly(train_toy, tmp_path):
+    """A run stopped after its last checkpoint and started again ends where an uninterrupted run ends."""
+    import argparse
+
+    def run(stop=None):
+        torch.manual_seed(0)
+        rng = np.random.default_rng(0)
+        lin = torch.nn.Linear(3, 1)
+        opt = torch.optim.Adam(lin.parameters(), lr=0.1)
+        args = argparse.Namespace(state_dir=tmp_path / ("a" if stop is None else "b"), run="r", save_every=2)
+        state = train_toy.RunState(args, {"lin": lin}, opt, rng)
+        for step in state.steps(6):
+            x = torch.from_numpy(rng.standard_normal((4, 3)).astype(np.float32)) + torch.randn(4, 3)
+            loss = lin(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if stop is not None and step == stop:
+                return None
+        state.finish()
+        return lin.weight.detach().clone()
+
+    full = run()
+    assert run(stop=4) is None  # dies after step 4; the last checkpoint holds step 3
+    resumed = run(stop=-1)
+    assert torch.equal(resumed, full)
+    assert (tmp_path / "b" / "r.done").exists()

@@ -49,10 +49,13 @@ def build_vae(latents_mean=None, latents_std=None):
     return AutoencoderKLWan(**kw)
 
 
-def build_dit(which: str):
+def build_dit(which: str, num_layers: int | None = None):
     from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel
 
-    return CausalWanTransformer3DModel(**(DRAFTER_CONFIG if which == "drafter" else TARGET_CONFIG))
+    config = dict(DRAFTER_CONFIG if which == "drafter" else TARGET_CONFIG)
+    if num_layers is not None:
+        config["num_layers"] = num_layers
+    return CausalWanTransformer3DModel(**config)
 
 
 def sha256(path: Path) -> str:
