@@ -261,6 +261,16 @@ def _check_cascade(args):
         return "cascade scoring is exact only with --aggregation min; drop --cascade or use --aggregation min"
     if args.temporal_weight != 0.0:
         return "cascade scoring does not combine with --temporal-weight; drop one of them"
+    if getattr(args, "tau_mode", "fixed") == "relative":
+        return "cascade scoring is not supported with --tau-mode relative; drop --cascade or use --tau-mode fixed"
+    return None
+
+
+@arg_check("--tau-mode", "generate")
+def _check_tau_mode(args):
+    if args.tau_mode == "relative" and args.mode == "sdvg" and not args.force_first_block:
+        return ("compares each draft with the last committed block, and block 0 has none: drop --no-force-first-block "
+                "(block 0 by the target) or use --tau-mode fixed")
     return None
 
 
@@ -359,8 +369,8 @@ def _check_generate_taus(args):
         return None
     if args.mode != "sdvg":
         return f"{args.taus}: one video per tau needs --mode sdvg (mode {args.mode} does not use tau)"
-    if args.tau_mode != "fixed":
-        return f"{args.taus}: --tau-mode {args.tau_mode} sets its own thresholds; use --tau-mode fixed with --taus"
+    if args.tau_mode == "accept_rate":
+        return f"{args.taus}: --tau-mode {args.tau_mode} sets its own thresholds; use --tau-mode fixed or relative with --taus"
     return None
 
 
@@ -826,9 +836,11 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
                         "5-call list; native: each model as distilled (drafter: global cache, 4 calls). "
                         "--drafter-context/--target-context/--*-schedule other than auto win over it")
     p.add_argument("--drafter-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
-    p.add_argument("--tau-mode", choices=("fixed", "accept_rate"), default="fixed",
+    p.add_argument("--tau-mode", choices=("fixed", "accept_rate", "relative"), default="fixed",
                    help="fixed: compare with --tau; accept_rate: per-block threshold = the (1 - r) quantile of the draft "
-                        "scores so far (prior N(0.566, 1.071^2) worth 5 blocks), keeping about --accept-rate of the drafts")
+                        "scores so far (prior N(0.566, 1.071^2) worth 5 blocks), keeping about --accept-rate of the drafts; "
+                        "relative: accept when the draft's score minus the last committed block's score >= --tau "
+                        "(the target's committed blocks are scored too)")
     p.add_argument("--accept-rate", type=finite_float, default=0.73, help="target share of kept drafts for --tau-mode accept_rate")
     p.add_argument("--reward-preprocess", choices=("pil", "torch"), default="pil",
                    help="pil (default): frames scored exactly as ImageReward does (8-bit, PIL bicubic, centre crop); "

@@ -51,6 +51,7 @@ class RecordedBlock:
     contexts_after: dict  # generator name -> ContextScheme.snapshot()
     previous_features_after: torch.Tensor | None
     seconds: float  # component seconds this block took (what a replay saves)
+    reference_after: float | None = None  # relative routing: this block's score as committed (the next reference)
 
 
 @dataclass
@@ -138,7 +139,16 @@ class ReplayMemo:
 
 def redecide(router, options, recorded: RouteDecision, num_frames: int, tau: float) -> RouteDecision | None:
     """The decision a fresh run would make at ``tau`` from a recorded draft's scores, or ``None`` when the recorded
-    scores cannot tell (cascade scoring that stopped early and would now have to score the rest)."""
+    scores cannot tell (cascade scoring that stopped early and would now have to score the rest; relative routing
+    with a recording that holds no reference score).
+
+    Relative mode (``tau_mode="relative"``): the draft is compared with the recorded reference (the score of the
+    committed block before it). Replay keeps every block up to the first changed decision, so that reference is the
+    one a fresh run would have too."""
+    if router.tau_mode == "relative":
+        if recorded.reference_score is None:
+            return None
+        return router.decide(recorded.frame_scores, recorded.temporal_score, tau=tau, reference=recorded.reference_score)
     if not options.cascade or num_frames <= options.cascade_frames:
         return router.decide(recorded.frame_scores, recorded.temporal_score, tau=tau)
     first = torch.linspace(0, num_frames - 1, options.cascade_frames).round().long().unique().tolist()

@@ -10,6 +10,8 @@ Per block (see :meth:`SpeculativePipeline.stream`, the whole loop on one screen)
 4. Reject: the VAE is restored, the target regenerates the block from the *same* noise (or, with
    ``refine_from_step=k``, continues from the drafter's state after k steps), the result is decoded,
    and both models take the target's block as context.
+5. Relative routing (``tau_mode="relative"``) compares a draft with the score of the last committed block, so a
+   target block that a later draft follows is scored too (:meth:`SpeculativePipeline._track_reference`).
 
 Both models' context updates are lazy (see :mod:`sdvg_engine.context`), so an accepted draft costs
 the target nothing until the target next has to generate.
@@ -37,7 +39,7 @@ import torch
 
 from .generator import BlockSample, CausalGenerator
 from .report import BlockRecord, ComponentTimer, Lap, build_report
-from .router import RandomRouter, RewardRouter, RouteDecision, TauState
+from .router import RandomRouter, RewardRouter, RouteDecision, TauState, temporal_consistency
 from .sampling import NoiseSource, SeededNoise
 from .memo import Recording, RecordedBlock, ReplayMemo, _cpu, plan_replay
 from .workers import COMPONENTS, StoppedByOtherWorker, Workers, plan_lanes, wait
@@ -99,6 +101,13 @@ class SDVGOptions:
                 raise ValueError("cascade scoring does not combine with a temporal weight; set one of them off")
             if self.cascade_frames < 1 or self.cascade_margin < 0:
                 raise ValueError("cascade_frames must be >= 1 and cascade_margin >= 0")
+        if self.mode == "sdvg" and router.tau_mode == "relative":
+            if not self.force_first_block:
+                raise ValueError("tau_mode 'relative' compares each draft with the last committed block, and block 0 has "
+                                 "none: keep force_first_block on (block 0 by the target) or use tau_mode 'fixed'")
+            if self.cascade:
+                raise ValueError("cascade scoring is not supported with tau_mode 'relative'; set cascade=False or use "
+                                 "tau_mode 'fixed'")
 
 
 @dataclass
@@ -323,7 +332,8 @@ class SpeculativePipeline:
         router, opts = self.router, run.options
         previous = wait(run.previous_features)
         if not opts.cascade or frames.shape[0] <= opts.cascade_frames:
-            decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau)
+            decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau,
+                                            reference=wait(run.reference))
             run.draft_features = scores.image_features[-1]
             return decision
         first = torch.linspace(0, frames.shape[0] - 1, opts.cascade_frames).round().long().unique()
@@ -345,6 +355,7 @@ class SpeculativePipeline:
         for gen in run.active:
             pixels = decoded if gen.context.needs_pixels else None
             contexts[gen.name] = run.submit(gen.name, self._commit_to, gen, b, sample, pixels)
+        self._track_reference(run, b, source, decision, decoded)
         if source == "draft" and run.draft_features is not None:
             run.previous_features = run.draft_features
         elif run.prompt_features is not None and self.router.temporal_weight != 0.0:
@@ -352,7 +363,27 @@ class SpeculativePipeline:
             run.previous_features = run.submit("reward", self._seam_features, run, decoded)
         run.draft_features = None
         return _Block(index=b, source=source, drafted=drafted, decision=decision, sample=sample, decoded=decoded,
-                      contexts_after=contexts, previous_features_after=run.previous_features)
+                      contexts_after=contexts, previous_features_after=run.previous_features,
+                      reference_after=run.reference)
+
+    def _track_reference(self, run, b, source, decision, decoded) -> None:
+        """Relative routing (``tau_mode="relative"``): keep the score of the last committed block, the reference the
+        next draft is compared with. An accepted draft's is its own decision's score; a target block (block 0 or a
+        regenerated one) is scored here, with the router's settings, only when a later draft will need it."""
+        if run.prompt_features is None or self.router.tau_mode != "relative":
+            return
+        if source == "draft":
+            run.reference = decision.block_score
+        elif b + 1 < run.num_blocks:
+            run.reference = run.submit("reward", self._score_committed, run, decoded, run.previous_features)
+        else:
+            run.reference = None
+
+    def _score_committed(self, run, decoded, previous_features) -> float:
+        """The block score of a committed target block (what relative routing compares the next draft with)."""
+        frames = unit_frames(decoded.pixels)
+        scores = self._timed(run, "reward", lambda: self.router.score_frames(frames, run.prompt_features))
+        return self.router.block_score(scores.scores, temporal_consistency(scores.image_features, wait(previous_features)))
 
     @staticmethod
     def _commit_to(gen, b, sample, decoded) -> tuple:
@@ -387,7 +418,9 @@ class SpeculativePipeline:
                 contexts_after={name: _cpu(run.workers.result(f)) for name, f in block.contexts_after.items()},
                 previous_features_after=_cpu(run.workers.result(block.previous_features_after)
                                              if isinstance(block.previous_features_after, Future) else block.previous_features_after),
-                seconds=sum(record.seconds.values())))
+                seconds=sum(record.seconds.values()),
+                reference_after=run.workers.result(block.reference_after)
+                if isinstance(block.reference_after, Future) else block.reference_after))
         return record
 
     def _append_block(self, run, index, source, drafted, decision, latents, pixels, **record_fields) -> BlockRecord:
@@ -417,6 +450,7 @@ class SpeculativePipeline:
             gen.context.restore(last.contexts_after[gen.name])
         self.vae.restore(last.vae_after)
         run.previous_features = last.previous_features_after
+        run.reference = last.reference_after
         for block, decision in zip(blocks, plan.decisions):
             record = self._append_block(run, block.index, block.source, block.drafted, decision, block.latents,
                                         block.pixels, replayed=True)
@@ -564,7 +598,8 @@ class SpeculativePipeline:
         if self.router is not None:
             router = tuple(sorted((k, str(v)) for k, v in self.router.settings().items()
                                   if k not in ("tau", "tau_mode", "accept_rate", "prior_mean", "prior_std", "prior_count")))
-            router += (id(self.router.scorer),)
+            # Relative recordings hold the scores of committed target blocks, which other modes never compute.
+            router += (id(self.router.scorer), self.router.tau_mode == "relative")
         vae = (id(self.vae.vae) if hasattr(self.vae, "vae") else id(self.vae), str(getattr(self.vae, "dtype", "")))
         return (hashlib.sha256(text.numpy().tobytes()).hexdigest(), tuple(text.shape), prompt, num_frames, width, height,
                 seed, tuple(sorted(options.items())), models, router, vae, tuple(sorted((k, str(v)) for k, v in devices.items())))
@@ -599,6 +634,7 @@ class _Block:
     decoded: Future  # of its _Decoded
     contexts_after: dict  # generator name -> Future of its context snapshot after this commit
     previous_features_after: object  # seam features after this block (a tensor, None or a Future)
+    reference_after: object = None  # relative routing: this block's score as committed (a float, None or a Future)
 
 
 def free_tau_interval(records: list[BlockRecord], options: SDVGOptions, router) -> dict | None:
@@ -651,6 +687,7 @@ class _Run:
         self.prompt_features = None
         self.random_router = None
         self.previous_features = None  # ViT features of the last committed frame (or a Future of them)
+        self.reference = None  # relative routing: the last committed block's score (or a Future of it)
         self.draft_features = None  # the scored draft's last-frame features, kept if it is accepted
         self.tau_state = None
         self.active = []

@@ -35,6 +35,18 @@ default ``prior_count=5`` gives the prior the weight of the reference's 5 warm-u
 it fade as 5 / (5 + n) rather than vanish at n = 5. Forcing the first block and pooling across
 videos are the caller's choice (carry one ``TauState`` across videos to pool).
 
+Relative threshold (``tau_mode="relative"``): a draft is accepted when its block score minus the
+score of the last *committed* block (block 0, always the target's, or the previous block, whichever
+model made it) is at least ``tau``:
+
+    accept_b  <=>  block_score(draft_b) - block_score(committed_{b-1}) >= tau
+
+The committed block is scored with the same aggregation, crop and preprocessing as the drafts (the
+pipeline scores the target's committed blocks only in this mode). The signal is a change of quality
+along the video, not its level, so it does not accept or reject whole clips wholesale when the level
+varies between prompts. The decision records the reference in ``RouteDecision.reference_score`` and
+``tau`` stays the margin (the configured tau).
+
 ``RandomRouter`` is the ablation baseline: accepts each block with probability ``p``,
 deterministically per ``(seed, key, block_index)`` whatever the call order (the pipeline's key is
 the prompt text).
@@ -66,7 +78,7 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("min", "mean")
-TAU_MODES = ("fixed", "accept_rate")
+TAU_MODES = ("fixed", "accept_rate", "relative")
 
 
 def _json_float(x: float | None) -> float | None:
@@ -94,7 +106,10 @@ class RouteDecision:
     reward_score: aggregate of the ImageReward scores alone (NaN for RandomRouter).
     temporal_score: mean consecutive-frame cosine similarity, or None when not computed.
     frames_scored: number of frames scored.
-    tau: the threshold ``block_score`` was compared with (None for RandomRouter).
+    tau: the threshold ``block_score`` was compared with (None for RandomRouter); in relative mode the margin
+        ``block_score - reference_score`` was compared with.
+    reference_score: relative mode only: the score of the last committed block (None in other modes, whose
+        ``to_dict`` leaves the key out).
     """
 
     accept: bool
@@ -104,6 +119,7 @@ class RouteDecision:
     temporal_score: float | None
     frames_scored: int
     tau: float | None = None
+    reference_score: float | None = None
 
     def to_dict(self) -> dict:
         """JSON-serialisable dict (non-finite floats become None)."""
@@ -115,6 +131,10 @@ class RouteDecision:
         d["frame_scores"] = [_json_float(s) for s in self.frame_scores]
         d["frames_scored"] = int(self.frames_scored)
         d["tau"] = _json_tau(self.tau)
+        if self.reference_score is None:  # other modes: the report keeps its keys
+            del d["reference_score"]
+        else:
+            d["reference_score"] = _json_float(self.reference_score)
         return d
 
 
@@ -258,8 +278,9 @@ class RewardRouter:
         aggregation: "min" or "mean" over the block's frames.
         crop: "center" (ImageReward's crop) or "full" (whole frame squashed).
         temporal_weight: weight of the temporal-consistency term in the block score.
-        tau_mode: "fixed" (compare with ``tau``) or "accept_rate" (per-block quantile threshold
-            targeting an acceptance share ``accept_rate``; see :meth:`block_tau`).
+        tau_mode: "fixed" (compare with ``tau``), "accept_rate" (per-block quantile threshold
+            targeting an acceptance share ``accept_rate``; see :meth:`block_tau`) or "relative"
+            (compare the draft's score minus the last committed block's score with ``tau``).
         accept_rate: target share r of drafted blocks accepted, in (0, 1).
         prior_mean, prior_std: Gaussian prior of draft block scores (the reference's
             ImageReward global statistics).
@@ -336,11 +357,12 @@ class RewardRouter:
     def block_tau(self, state: TauState | None) -> float:
         """The threshold for the next drafted block.
 
-        ``fixed``: ``self.tau`` (``state`` ignored). ``accept_rate``: the (1 - accept_rate)
+        ``fixed`` and ``relative``: ``self.tau`` (``state`` ignored; in relative mode it is the margin over
+        the last committed block's score). ``accept_rate``: the (1 - accept_rate)
         quantile of prior (weight ``prior_count``) + the scores in ``state`` (None = no scores
         yet), see the module docstring. The caller then does ``state.observe(decision.block_score)``.
         """
-        if self.tau_mode == "fixed":
+        if self.tau_mode in ("fixed", "relative"):
             return self.tau
         if state is not None and not isinstance(state, TauState):
             raise TypeError(f"state must be a TauState or None, got {type(state).__name__}")
@@ -370,35 +392,58 @@ class RewardRouter:
             return float(s.min())
         return float(s.mean())
 
+    def block_score(self, frame_scores: torch.Tensor | Sequence[float], temporal: float | None = None) -> float:
+        """The score a block is routed on: the aggregate of its frame scores, plus ``temporal_weight`` x
+        ``temporal`` when both are given (what :meth:`decide` compares; in relative mode also the reference
+        score of a committed block)."""
+        s = torch.as_tensor(frame_scores, dtype=torch.float32).reshape(-1).cpu()
+        if s.numel() == 0:
+            raise ValueError("a block score needs at least one frame score")
+        block = self.aggregate(s)
+        if temporal is not None and self.temporal_weight != 0.0:
+            block = block + self.temporal_weight * float(temporal)
+        return block
+
     def decide(
         self,
         frame_scores: torch.Tensor | Sequence[float],
         temporal: float | None = None,
         *,
         tau: float | None = None,
+        reference: float | None = None,
     ) -> RouteDecision:
         """Aggregate precomputed per-frame scores [N] and threshold them.
 
         ``temporal`` (a precomputed ``temporal_consistency``) is added with ``temporal_weight``
         when given and the weight is non-zero; it is always reported. ``tau``: the threshold to
         use (e.g. ``block_tau(state)``); None = ``self.tau``. It is recorded in the decision.
+        ``reference``: relative mode (required there, ignored otherwise): the block score of the last
+        committed block; the draft is accepted when ``block_score - reference >= tau`` (a NaN on either
+        side rejects unless tau is -inf).
         """
         tau = self.tau if tau is None else _check_tau(tau)
+        if self.tau_mode == "relative":
+            if reference is None:
+                raise ValueError("tau_mode 'relative' decides against the last committed block's score: pass "
+                                 "reference=<its block score> (block 0 has none: it must be the target's)")
+            reference = float(reference)
+        else:
+            reference = None
         s = torch.as_tensor(frame_scores, dtype=torch.float32).reshape(-1).cpu()
         if s.numel() == 0:
             raise ValueError("decide() needs at least one frame score")
         reward = self.aggregate(s)
-        block = reward
-        if temporal is not None and self.temporal_weight != 0.0:
-            block = reward + self.temporal_weight * float(temporal)
+        block = self.block_score(s, temporal)
+        margin = block if reference is None else block - reference
         return RouteDecision(
-            accept=_threshold(block, tau),
+            accept=_threshold(margin, tau),
             block_score=block,
             frame_scores=[float(x) for x in s.tolist()],
             reward_score=reward,
             temporal_score=None if temporal is None else float(temporal),
             frames_scored=int(s.numel()),
             tau=tau,
+            reference_score=reference,
         )
 
     def judge(
@@ -408,6 +453,7 @@ class RewardRouter:
         *,
         previous_features: torch.Tensor | None = None,
         tau: float | None = None,
+        reference: float | None = None,
     ) -> tuple[RouteDecision, FrameScores]:
         """Score one decoded block ``frames`` [N, 3, H, W] (0..1) and decide.
 
@@ -416,13 +462,16 @@ class RewardRouter:
         seam term of the temporal score. Returns the decision and the raw ``FrameScores``
         (whose ``image_features[-1]`` is what to pass next time if the block is committed).
         ``tau``: threshold for this block (e.g. ``block_tau(state)``); None = ``self.tau``.
+        ``reference``: relative mode: the last committed block's score (see :meth:`decide`).
         """
         if tau is not None:
             tau = _check_tau(tau)  # before the (expensive) scoring
+        if self.tau_mode == "relative" and reference is None:
+            raise ValueError("tau_mode 'relative' decides against the last committed block's score: pass reference=...")
         out = self.score_frames(frames, prompt)
         # Always reported (N cosine similarities: free); only weighted in when w != 0.
         temporal = temporal_consistency(out.image_features, previous_features)
-        return self.decide(out.scores, temporal, tau=tau), out
+        return self.decide(out.scores, temporal, tau=tau, reference=reference), out
 
     def score_frames(self, frames: torch.Tensor, prompt_features: str | PromptFeatures) -> FrameScores:
         """Score frames [N, 3, H, W] (0..1 or uint8) with this router's crop and preprocessing

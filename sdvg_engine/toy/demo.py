@@ -3,13 +3,15 @@
     python -m sdvg_engine.toy.demo --out outputs
 
 Loads the shipped tiny models (hash-checked), generates every prompt with ``target_only``, ``draft_only``,
-``first_block_only``, ``sdvg`` at each tau and ``random`` routing at the acceptance rate each tau reached
-(matched acceptance), scores every clip with the world's ground-truth metric (:func:`world.clip_metrics`)
-and writes to ``--out``:
+``first_block_only`` and ``sdvg`` at each tau, scores every clip with the world's ground-truth metric
+(:func:`world.clip_metrics`), and judges the router against random routing at the same acceptance on the
+prompts' whole decision trees (:mod:`sdvg_engine.toy.tree`: every decision prefix generated once, random routing
+scored as its exact expectation, no sampling noise). Writes to ``--out``:
 
 * ``videos/*.webp`` (and ``*.mp4`` when PyAV is installed): target-only, draft-only and SDVG at the showcase tau;
 * ``acceptance_mask.png``: per prompt, the SDVG frames with a bar under each (green = accepted draft, red = target);
-* ``report.json``: every run (settings, quality, timings, acceptance) and the summary;
+* ``report.json``: every run (settings, quality, timings, acceptance), the tree verdict and the summary;
+* ``tree_cache/``: the prompts' decision trees (reused by the next run with the same weights and settings);
 * ``pareto.png``: quality vs measured speedup (target-only wall time / run wall time, summed over prompts).
 """
 
@@ -35,7 +37,7 @@ from .world import SIZE, Scene, all_scenes, clip_metrics
 
 NUM_FRAMES = 81  # 21 latent frames = 7 blocks of 3, like the real models
 DEFAULT_TAUS = (-2.0, -1.5, -1.0, 0.0)  # drafts score -2.1..0.8 with the shipped reward model
-MATCH_TOLERANCE = 0.05  # router and random count as "matched" when their realized acceptances differ by at most this
+MATCH_TOLERANCE = 0.05  # (kept for callers; the tree verdict matches acceptance exactly)
 SHOWCASE_PROMPTS = (
     "a red ball moving right on black",
     "a blue square moving down on white",
@@ -116,16 +118,7 @@ def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print, pre
             result, metrics = _run(pipe, *item, SDVGOptions(mode="sdvg"), num_frames)
             record(f"sdvg tau={tau:g}", "sdvg", float(tau), None, item, result, metrics)
         log(f"  {item[0]!r} seed {item[1]}: done")
-    # Random routing at the acceptance rate each tau reached (matched acceptance).
-    for tau in taus:
-        c = configs[f"sdvg tau={tau:g}"]
-        p = sum(r["accepted_blocks"] for r in c["runs"]) / max(1, sum(r["drafted_blocks"] for r in c["runs"]))
-        name = f"random p={p:.2f}"
-        if name in configs:
-            continue
-        for item in items:
-            result, metrics = _run(pipe, *item, SDVGOptions(mode="random", random_accept_prob=p), num_frames)
-            record(name, "random", None, p, item, result, metrics)
+    # Random routing is judged on the whole decision trees instead (tree_verdict): exact, not sampled.
     summarize(configs)
     return configs, kept
 
@@ -157,23 +150,47 @@ def summarize(configs: dict) -> None:
         c["engine_speedup_estimate"] = float(np.mean(est)) if est else None
 
 
-def findings(configs: dict) -> dict:
+def tree_verdict(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, preset: str = "native",
+                 cache: Path | None = None, log=print) -> dict:
+    """Router vs random at the same acceptance, on the whole decision trees of the demo's own clips: each tau's
+    router walked on the trees (the same clips as its sdvg runs) against the exact expectation of random routing
+    at its realized acceptance, with bootstrap CIs over clips (:func:`sdvg_engine.toy.tree.analyse`)."""
+    from .models import WEIGHTS
+    from .tree import TreeBuilder, analyse, load_or_build, weights_hash
+
+    builder = TreeBuilder(models, preset=preset, num_frames=num_frames, weights_id=weights_hash(WEIGHTS))
+    trees = [load_or_build(builder, cache, p, s, log=log) for p in prompts for s in seeds]
+    report = analyse(trees, grids={"fixed": [float(t) for t in taus]})
+    report["clips"] = [{"caption": t.caption, "seed": t.seed, "build_seconds": t.build_seconds} for t in trees]
+    return report
+
+
+def findings(configs: dict, trees: dict | None = None) -> dict:
+    """Summary of a sweep; the router-vs-random verdict comes from ``trees`` (:func:`tree_verdict`), None without."""
     t, d = configs["target_only"], configs["draft_only"]
     sd = [c for c in configs.values() if c["mode"] == "sdvg"]
     good = [c for c in sd if c["quality"] >= 0.98 * t["quality"] and t["quality"] > 0]
     best = max(good, key=lambda c: c["speedup"]) if good else None
-    matched = []
-    for c in sd:
-        p = c["acceptance"]
-        r = configs.get(f"random p={p:.2f}")
-        if r is not None:
-            # Random routing draws per block, so the acceptance it reaches scatters around p: a pair counts as
-            # matched only when the two realized acceptances are within MATCH_TOLERANCE.
-            matched.append({"tau": c["tau"], "acceptance": p, "sdvg_quality": c["quality"], "random_quality": r["quality"],
-                            "random_acceptance": r["acceptance"], "matched": abs(r["acceptance"] - p) <= MATCH_TOLERANCE,
-                            "sdvg_speedup": c["speedup"], "random_speedup": r["speedup"]})
-    informative = [m for m in matched if 0.0 < m["acceptance"] < 1.0 and m["matched"]]
-    margin = float(np.mean([m["sdvg_quality"] - m["random_quality"] for m in informative])) if informative else None
+    matched, informative, ci, runs_match = [], [], None, None
+    if trees is not None:
+        by_tau = {c["tau"]: c for c in sd}
+        runs_match = True
+        for row in trees["modes"]["fixed"]:
+            tau = row["setting"] if isinstance(row["setting"], float) else float(row["setting"])
+            c = by_tau.get(tau)
+            # The tree's path for this tau is exactly what the sdvg runs generated (same clips, same decisions).
+            same = c is not None and abs(c["quality"] - row["quality"]) < 1e-9 and abs(c["acceptance"] - row["acceptance"]) < 1e-9
+            runs_match = runs_match and same
+            matched.append({"tau": tau, "acceptance": row["acceptance"], "sdvg_quality": row["quality"],
+                            "random_quality": row["random_quality"], "random_acceptance": row["acceptance"],
+                            "matched": True, "router_minus_random": row["router_minus_random"],
+                            "router_minus_random_ci": row["router_minus_random_ci"],
+                            "sdvg_speedup": None if c is None else c["speedup"]})
+        band = trees["average_in_band"]["fixed"]
+        if band is not None:
+            informative = [m for m in matched if trees["band"][0] <= m["acceptance"] <= trees["band"][1]]
+            ci = band["ci"]
+    margin = float(np.mean([m["router_minus_random"] for m in informative])) if informative else None
     return {
         "target_quality": t["quality"], "drafter_quality": d["quality"],
         "target_vs_drafter_gain": t["quality"] / d["quality"] - 1 if d["quality"] > 0 else None,
@@ -184,6 +201,9 @@ def findings(configs: dict) -> dict:
         "router_vs_random_at_matched_acceptance": matched,
         "router_vs_random_margin": margin, "router_vs_random_pairs": len(informative),
         "router_beats_random": None if margin is None else bool(margin > 0),
+        "router_vs_random_margin_ci": ci, "router_vs_random_band": None if trees is None else trees["band"],
+        "router_vs_random_source": None if trees is None else f"exact, on the whole decision trees of {len(trees['clips'])} clip(s)",
+        "trees_match_runs": runs_match,
     }
 
 
@@ -314,6 +334,8 @@ def main(argv=None) -> dict:
                     help="also time every mode on this many workers, for comparison (0: skip; default 1, the sequential schedule)")
     ap.add_argument("--preset", default="native", choices=("native", "reference"),
                     help="native (default: the toy models as trained) or reference (the paper's recompute window + 5 calls)")
+    ap.add_argument("--tree-cache", default=None,
+                    help="folder of the decision trees behind the router-vs-random verdict (default: OUT/tree_cache)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -343,14 +365,17 @@ def main(argv=None) -> dict:
         rows.append((f"{p}  (tau={showcase_tau:g})", kept[(show, item)].frames, kept[(show, item)].acceptance_mask))
     write_mask_strip(rows, out / "acceptance_mask.png")
     write_pareto(configs, out / "pareto.png")
-    summary = findings(configs)
+    print(f"decision trees of the {len(prompts) * len(seeds)} clip(s) for the router-vs-random verdict:")
+    trees = tree_verdict(models, prompts, seeds, args.taus, num_frames=args.frames, preset=args.preset,
+                         cache=Path(args.tree_cache) if args.tree_cache else out / "tree_cache")
+    summary = findings(configs, trees)
     summary["ceiling"] = vae_ceiling(models.vae, prompts, num_frames=args.frames)
     report = {"num_frames": args.frames, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
               "showcase_tau": showcase_tau, "threads": torch.get_num_threads(), "preset": args.preset,
               "workers": args.workers, "configs": list(configs.values()),
               "compare_workers": args.compare_workers if compare else None,
               "compare_configs": list(compare.values()) if compare else None,
-              "findings": summary, "files": files, "seconds": time.perf_counter() - began}
+              "findings": summary, "tree_verdict": trees, "files": files, "seconds": time.perf_counter() - began}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
     print(f"every mode on {args.workers} worker(s); speedup against target-only on {args.workers} worker(s):")
     print(format_table(configs))
@@ -367,15 +392,22 @@ def main(argv=None) -> dict:
     b = f["best_tau_within_98pct_of_target"]
     print("best tau within 98% of target quality: " + ("none" if b is None else
           f"tau={b['tau']:g} quality {b['quality']:.3f} ({100 * (b['quality_ratio'] or 0):.1f}% of target) at {b['speedup']:.2f}x, acceptance {b['acceptance']:.2f}"))
+    print(f"reward router vs random routing at the same acceptance ({f['router_vs_random_source']}; random = its exact "
+          "expectation):")
     for m in f["router_vs_random_at_matched_acceptance"]:
-        print(f"  tau={m['tau']:g}: reward router {m['sdvg_quality']:.3f} at acceptance {m['acceptance']:.2f} vs random "
-              f"{m['random_quality']:.3f} at {m['random_acceptance']:.2f} (p = {m['acceptance']:.2f})"
-              + ("" if m["matched"] else ": not matched, left out of the verdict"))
-    if f["router_vs_random_margin"] is not None:  # with few prompts it rests on few blocks: margin and pairs say how much
-        print(f"reward router vs random at matched acceptance: {f['router_vs_random_margin']:+.3f} quality over "
-              f"{f['router_vs_random_pairs']} matched pair(s): {'router better' if f['router_beats_random'] else 'router not better'}")
+        lo, hi = m["router_minus_random_ci"]
+        print(f"  tau={m['tau']:g}: reward router {m['sdvg_quality']:.3f} vs random {m['random_quality']:.3f} at acceptance "
+              f"{m['acceptance']:.2f}: {m['router_minus_random']:+.3f} (95% CI {lo:+.3f} to {hi:+.3f})")
+    band = f["router_vs_random_band"]
+    if f["router_vs_random_margin"] is not None:  # with few prompts the CI says how little it rests on
+        lo, hi = f["router_vs_random_margin_ci"]
+        print(f"verdict: router - random averaged over the {f['router_vs_random_pairs']} tau(s) with acceptance "
+              f"{band[0]}-{band[1]}: {f['router_vs_random_margin']:+.3f} (95% CI {lo:+.3f} to {hi:+.3f}): "
+              f"{'router better' if f['router_beats_random'] else 'router not better'}")
     else:
-        print("reward router vs random at matched acceptance: no matched pair with 0 < acceptance < 1")
+        print(f"verdict: no tau reached an acceptance in {band[0]}-{band[1]}")
+    if f["trees_match_runs"] is False:
+        print("  (warning: a tree path differs from its sdvg run; the trees were built with other weights or settings?)")
     kinds = sorted({Path(v).suffix for v in files["videos"]})
     note = "" if ".mp4" in kinds or not kinds else " (WebP only: install PyAV for MP4)"
     print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/{note}, acceptance_mask.png, pareto.png, "

@@ -1,0 +1,614 @@
+"""Whole-tree evaluation of routers on the toy world.
+
+    python -m sdvg_engine.toy.tree --clips 32 --cache outputs/tree_cache --out outputs/toy_tree.json
+
+For a clip (caption, seed) every decision prefix is generated exactly once: block 0 by the target, then for each
+block ``b = 1 .. B-1`` and each history of accept/reject decisions on blocks ``1 .. b-1`` (``2**(b-1)`` of them; 63
+nodes for an 81-frame clip of 7 blocks) the drafter's block AND the target's block, from the block's noise keyed by
+``(seed, block, step)`` exactly as :meth:`SpeculativePipeline.generate` draws it. Both are decoded (the causal VAE
+decode cache and both models' contexts are rolled back between siblings with the snapshot/restore of
+:mod:`sdvg_engine.vae` and :mod:`sdvg_engine.context`) and scored per frame with the reward model. Each of the
+``2**(B-1)`` leaves (64) is a whole clip, scored with the world's ground truth (:func:`world.clip_metrics`).
+A root-to-leaf path is what ``pipeline.generate`` outputs for the same decisions, bit for bit (tests check it).
+
+On the saved trees any router is scored exactly by walking the tree (:func:`walk`): fixed tau, adaptive
+(``accept_rate``, a fresh :class:`TauState` per video, as the pipeline) and relative (draft score minus the last
+committed block's score). Random routing at acceptance ``p`` is scored as its exact expectation, not by sampling:
+
+    E_p[Q] = sum over leaves L of  p**k(L) * (1 - p)**(n - k(L)) * Q(L)
+
+with ``k(L)`` the accepted drafts on the path to ``L`` and ``n = B - 1`` the drafted blocks, per clip, then averaged
+over clips, with ``p`` the router's realized acceptance over all clips (accepted / drafted blocks). Confidence
+intervals resample clips (bootstrap, seeded). See docs/toy_tree.md for every number of the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..context import GlobalCache
+from ..pipeline import TEXT_LEN, SDVGOptions, unit_frames, video_frames_to_latent_frames
+from ..router import RewardRouter, TauState
+from ..sampling import SeededNoise
+from .demo import NUM_FRAMES, build_pipeline, prompts_for
+from .models import WEIGHTS, load_toy_models
+from .text import embed_caption
+from .world import SIZE, clip_metrics
+
+__all__ = [
+    "ClipTree", "TreeBuilder", "Walk", "walk", "tree_router", "random_expectation", "random_coefficients",
+    "evaluate", "analyse", "bootstrap_weights", "weights_hash", "tree_path", "load_or_build", "measure_block_seconds",
+    "main",
+]
+
+TREE_VERSION = 1
+DEFAULT_CLIPS = 32
+RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+BAND = (0.1, 0.9)  # acceptances over which router - random is averaged
+QUALITY_SHARE = 0.98  # "within 98% of target-only quality"
+RATES = tuple(round(0.05 * i, 2) for i in range(1, 20))  # accept_rate grid
+GRID_POINTS = 41  # fixed / relative tau grid: quantiles of the trees' own scores (or margins), plus +-inf
+MODES = ("fixed", "accept_rate", "relative")
+
+
+# ============================================================================================== the tree
+@dataclass
+class ClipTree:
+    """Every decision prefix of one clip (what the analysis needs; frames are not kept).
+
+    ``draft[b - 1][h]`` / ``target[b - 1][h]``: per-frame reward scores of the drafter's / target's block ``b`` after
+    history ``h`` (bit ``i - 1`` of ``h`` set = block ``i`` accepted, i.e. the draft kept). ``block0``: the target's
+    block 0. ``leaves[L]``: :func:`world.clip_metrics` (quality, adherence, temporal) of the clip whose decisions are
+    the bits of ``L``. ``draft_only``: the same metrics of a ``draft_only`` pipeline run. ``key``: what the tree
+    depends on (weights hash, caption, seed, preset, frames, scoring settings).
+    """
+
+    caption: str
+    seed: int
+    num_frames: int
+    preset: str
+    block0: list[float]
+    draft: list[list[list[float]]]
+    target: list[list[list[float]]]
+    leaves: list[dict]
+    draft_only: dict
+    key: dict = field(default_factory=dict)
+    build_seconds: float = 0.0
+
+    @property
+    def num_decisions(self) -> int:
+        """Drafted blocks per path (``B - 1``)."""
+        return len(self.draft)
+
+    def leaf_quality(self) -> np.ndarray:
+        return np.array([leaf["quality"] for leaf in self.leaves], dtype=np.float64)
+
+    def to_json(self) -> dict:
+        return {"version": TREE_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "tree") -> "ClipTree":
+        if data.get("version") != TREE_VERSION:
+            raise ValueError(f"{where}: tree version {data.get('version')!r}, this code reads {TREE_VERSION}; "
+                             "delete the file (or the cache folder) to rebuild it")
+        data = {k: v for k, v in data.items() if k != "version"}
+        tree = cls(**data)
+        n = tree.num_decisions
+        if len(tree.leaves) != 2 ** n or any(len(tree.draft[b]) != 2 ** b or len(tree.target[b]) != 2 ** b
+                                              for b in range(n)):
+            raise ValueError(f"{where}: not a complete tree of {n} decisions; delete it to rebuild")
+        return tree
+
+
+def _scores(x: torch.Tensor) -> list[float]:
+    return [float(v) for v in x.float().reshape(-1).tolist()]
+
+
+class TreeBuilder:
+    """Generates whole decision trees with the toy pipeline's own models, schedule, contexts, VAE and scorer.
+
+    ``models``: :class:`~sdvg_engine.toy.models.ToyModels`; ``preset``: as the demo (``native`` / ``reference``).
+    ``crop`` / ``preprocess``: the reward scoring settings (the routers walked on the tree must use the same).
+    """
+
+    def __init__(self, models, *, preset: str = "native", num_frames: int = NUM_FRAMES, crop: str = "center",
+                 preprocess: str = "pil", weights_id: str = ""):
+        self.pipe = build_pipeline(models, preset=preset, workers=1)
+        self.pipe.router = RewardRouter(models.scorer, crop=crop, preprocess=preprocess)
+        self.preset, self.num_frames, self.weights_id = preset, num_frames, weights_id
+        fpb = self.pipe.target.frames_per_block
+        self.num_blocks = video_frames_to_latent_frames(num_frames, fpb) // fpb
+
+    def key(self, caption: str, seed: int) -> dict:
+        r = self.pipe.router
+        return {"weights": self.weights_id, "caption": caption, "seed": int(seed), "preset": self.preset,
+                "num_frames": self.num_frames, "crop": r.crop, "preprocess": r.preprocess, "version": TREE_VERSION}
+
+    def build(self, caption: str, seed: int, *, keep_frames: bool = False):
+        """The :class:`ClipTree` of ``(caption, seed)``; with ``keep_frames`` also ``{leaf: frames [T, H, W, 3]}``."""
+        began = time.perf_counter()
+        pipe = self.pipe
+        drafter, target, vae, router = pipe.drafter, pipe.target, pipe.vae, pipe.router
+        gens = (drafter, target)
+        B = self.num_blocks
+        embeds = embed_caption(caption)
+        if embeds.shape[1] < TEXT_LEN:  # as the pipeline pads
+            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, TEXT_LEN - embeds.shape[1]))
+        for gen in gens:
+            gen.before_call = None
+            gen.start(embeds, latent_height=SIZE // 8, latent_width=SIZE // 8, num_blocks=B)
+        vae.reset()
+        noise = SeededNoise(seed)
+        prompt = router.scorer.encode_prompt(caption)
+
+        def score(pixels) -> list[float]:
+            return _scores(router.score_frames(unit_frames(pixels), prompt).scores)
+
+        def commit(b, latents, pixels):
+            for gen in gens:
+                gen.commit_block(b, latents, pixels if gen.context.needs_pixels else None)
+
+        first = target.generate_block(0, noise)
+        pixels0 = vae.decode_block(first.latents)
+        block0 = score(pixels0)
+        commit(0, first.latents, pixels0)
+        draft_scores = [[None] * 2 ** b for b in range(B - 1)]
+        target_scores = [[None] * 2 ** b for b in range(B - 1)]
+        leaf_frames: dict[int, torch.Tensor] = {}
+        leaves: list[dict | None] = [None] * 2 ** (B - 1)
+
+        def visit(b: int, history: int, frames: list[torch.Tensor]) -> None:
+            if b == B:
+                clip = torch.cat(frames)
+                metrics = clip_metrics(clip.numpy(), caption)
+                leaves[history] = {k: metrics[k] for k in ("quality", "adherence", "temporal")}
+                if keep_frames:
+                    leaf_frames[history] = clip
+                return
+            drafted = drafter.generate_block(b, noise)  # runs the contexts' queued commits first
+            regenerated = target.generate_block(b, noise)
+            contexts = [gen.context.snapshot() for gen in gens]  # blocks 0 .. b-1 of this history, all in the caches
+            vae_before = vae.snapshot()
+            draft_pixels = vae.decode_block(drafted.latents)
+            vae_draft = vae.snapshot()
+            vae.restore(vae_before)
+            target_pixels = vae.decode_block(regenerated.latents)
+            vae_target = vae.snapshot()
+            draft_scores[b - 1][history] = score(draft_pixels)
+            target_scores[b - 1][history] = score(target_pixels)
+            for accept, sample, pixels, vae_state in ((True, drafted, draft_pixels, vae_draft),
+                                                       (False, regenerated, target_pixels, vae_target)):
+                if b + 1 < B:
+                    for gen, snapshot in zip(gens, contexts):
+                        _rewind(gen, snapshot)
+                    vae.restore(vae_state)
+                    commit(b, sample.latents, pixels)
+                block_frames = unit_frames(pixels).permute(0, 2, 3, 1).cpu()
+                visit(b + 1, history | (int(accept) << (b - 1)), frames + [block_frames])
+
+        visit(1, 0, [unit_frames(pixels0).permute(0, 2, 3, 1).cpu()])
+        result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=self.num_frames, width=SIZE,
+                               height=SIZE, seed=seed, options=SDVGOptions(mode="draft_only"))
+        draft_only = {k: v for k, v in clip_metrics(result.frames.numpy(), caption).items() if k != "per_frame"}
+        tree = ClipTree(caption=caption, seed=int(seed), num_frames=self.num_frames, preset=self.preset, block0=block0,
+                        draft=draft_scores, target=target_scores, leaves=leaves, draft_only=draft_only,
+                        key=self.key(caption, seed), build_seconds=round(time.perf_counter() - began, 3))
+        return (tree, leaf_frames) if keep_frames else tree
+
+
+def _rewind(gen, snapshot) -> None:
+    """Return ``gen``'s context to ``snapshot`` (taken right after it generated block ``b``, its committed blocks all in
+    its KV cache). :meth:`ContextScheme.restore` queues every committed block's t=0 pass again to rebuild the cache;
+    for a global cache those frames are still there, untouched: the work done since (deeper blocks of the tree) wrote
+    only frames from block ``b`` on (the cache keeps no validity state, kv_cache.py), so the rebuild is skipped.
+    A recompute window rebuilds before its next block anyway, as it does in the pipeline."""
+    gen.context.restore(snapshot)
+    if isinstance(gen.context, GlobalCache):
+        gen.context.pending = []
+        gen.context.committed_frames = (snapshot[-1][0] + 1) * gen.frames_per_block if snapshot else 0
+
+
+# ============================================================================================== routers on the tree
+def tree_router(tau_mode: str = "fixed", value: float = 0.0, *, aggregation: str = "min", **kw) -> RewardRouter:
+    """A :class:`RewardRouter` for walking trees (no scorer: the scores are in the tree). ``value``: tau for
+    ``fixed`` and ``relative``, the target acceptance share for ``accept_rate``."""
+    if tau_mode == "accept_rate":
+        return RewardRouter(None, tau_mode=tau_mode, accept_rate=value, aggregation=aggregation, **kw)
+    return RewardRouter(None, tau=value, tau_mode=tau_mode, aggregation=aggregation, **kw)
+
+
+@dataclass
+class Walk:
+    """A router's path through one tree: the leaf it ends in and its decisions (``decisions[i]`` = block ``i + 1``)."""
+
+    leaf: int
+    decisions: list
+    scored_target_blocks: int  # target blocks the router scored (relative mode: the references)
+
+    @property
+    def accepted(self) -> int:
+        return bin(self.leaf).count("1")
+
+
+def walk(tree: ClipTree, router: RewardRouter, tau_state: TauState | None = None) -> Walk:
+    """Route every drafted block of ``tree`` with ``router`` exactly as the pipeline would (same :meth:`decide`,
+    a fresh :class:`TauState` per video unless one is carried in, relative references from the committed blocks)."""
+    if router.temporal_weight != 0.0:
+        raise ValueError("trees keep no frame features: walk them with temporal_weight=0")
+    state = tau_state if tau_state is not None else router.new_tau_state()
+    relative = router.tau_mode == "relative"
+    reference = router.block_score(tree.block0) if relative else None
+    scored_targets = int(relative and tree.num_decisions > 0)
+    history, decisions = 0, []
+    for b in range(1, tree.num_decisions + 1):
+        decision = router.decide(tree.draft[b - 1][history], tau=router.block_tau(state), reference=reference)
+        state.observe(decision.block_score)
+        decisions.append(decision)
+        if relative:
+            if decision.accept:
+                reference = decision.block_score
+            else:
+                reference = router.block_score(tree.target[b - 1][history])
+                scored_targets += b < tree.num_decisions  # the last block's score is never needed
+        history |= int(decision.accept) << (b - 1)
+    return Walk(history, decisions, scored_targets)
+
+
+def _accept_counts(n: int) -> np.ndarray:
+    return np.array([bin(leaf).count("1") for leaf in range(2 ** n)])
+
+
+def random_coefficients(tree: ClipTree) -> np.ndarray:
+    """``C[k]`` = sum of leaf qualities over the leaves with ``k`` accepted drafts (``k = 0 .. n``)."""
+    n = tree.num_decisions
+    return np.bincount(_accept_counts(n), weights=tree.leaf_quality(), minlength=n + 1)
+
+
+def _bernstein(p, n: int) -> np.ndarray:
+    """``p**k * (1 - p)**(n - k)`` for k = 0..n (rows follow ``p``'s shape)."""
+    p = np.asarray(p, dtype=np.float64)[..., None]
+    k = np.arange(n + 1)
+    return p ** k * (1.0 - p) ** (n - k)
+
+
+def random_expectation(tree: ClipTree, p: float) -> float:
+    """Exact expected quality of random routing that keeps each draft with probability ``p``, independently:
+    ``sum_L p**k(L) (1 - p)**(n - k(L)) Q(L)``."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+    return float(random_coefficients(tree) @ _bernstein(p, tree.num_decisions))
+
+
+def bootstrap_weights(num_clips: int, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
+    """``W[r, c]``: how often clip ``c`` is drawn in resample ``r`` (clips drawn with replacement; seeded)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, num_clips, size=(resamples, num_clips))
+    weights = np.zeros((resamples, num_clips))
+    np.add.at(weights, (np.arange(resamples)[:, None], idx), 1.0)
+    return weights
+
+
+def _ci(values: np.ndarray) -> list[float]:
+    lo, hi = np.percentile(values, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+@dataclass
+class _Clips:
+    """Per-clip arrays of a set of trees, for exact scoring and the bootstrap."""
+
+    trees: list
+    n: int
+    coef: np.ndarray  # [N, n + 1] random_coefficients
+    target_only: np.ndarray  # [N] quality of the all-reject leaf
+    draft_only: np.ndarray  # [N]
+
+    @classmethod
+    def of(cls, trees):
+        ns = {t.num_decisions for t in trees}
+        if len(ns) != 1:
+            raise ValueError(f"trees of different lengths ({sorted(ns)} decisions) cannot be pooled; use one --frames")
+        return cls(trees, ns.pop(), np.stack([random_coefficients(t) for t in trees]),
+                   np.array([t.leaves[0]["quality"] for t in trees]), np.array([t.draft_only["quality"] for t in trees]))
+
+
+def evaluate(trees, router: RewardRouter) -> dict:
+    """Per-clip results of ``router`` on ``trees``: ``quality`` [N], ``accepted`` [N], ``leaves`` and the block
+    counts of the cost model (drafter, target, decode, score blocks per clip)."""
+    walks = [walk(t, router) for t in trees]
+    n = trees[0].num_decisions
+    accepted = np.array([w.accepted for w in walks], dtype=np.float64)
+    rejected = n - accepted
+    scored_targets = np.array([w.scored_target_blocks for w in walks], dtype=np.float64)
+    return {
+        "quality": np.array([t.leaves[w.leaf]["quality"] for t, w in zip(trees, walks)]),
+        "accepted": accepted,
+        "leaves": [w.leaf for w in walks],
+        "counts": {"drafter": np.full(len(trees), float(n)), "target": 1.0 + rejected, "decode": 1.0 + n + rejected,
+                   "score": n + scored_targets},
+    }
+
+
+def _speedup(counts: dict, num_blocks: int, num_clips: int, seconds: dict | None) -> float | None:
+    """Cost-model speedup over target-only from block counts and per-block seconds (one worker, summed over clips)."""
+    if not seconds:
+        return None
+    cost = sum(float(np.sum(counts[c])) * seconds[c] for c in ("drafter", "target", "decode", "score"))
+    baseline = num_clips * num_blocks * (seconds["target"] + seconds["decode"])
+    return baseline / cost if cost > 0 else None
+
+
+def _grid(trees, tau_mode: str) -> list[float]:
+    """Default settings of a mode: quantiles of the trees' draft scores (fixed) or of the margins over the committed
+    block before them (relative), with -inf and +inf; the RATES grid for accept_rate."""
+    if tau_mode == "accept_rate":
+        return list(RATES)
+    values = []
+    for t in trees:
+        for b in range(1, t.num_decisions + 1):
+            for h in range(2 ** (b - 1)):
+                draft = min(t.draft[b - 1][h])
+                if tau_mode == "fixed":
+                    values.append(draft)
+                    continue
+                if b == 1:
+                    ref = min(t.block0)
+                else:
+                    parent, bit = h & ~(1 << (b - 2)), (h >> (b - 2)) & 1
+                    ref = min((t.draft if bit else t.target)[b - 2][parent])
+                values.append(draft - ref)
+    values = np.array([v for v in values if math.isfinite(v)])
+    grid = np.unique(np.quantile(values, np.linspace(0, 1, GRID_POINTS))) if values.size else np.array([])
+    return [-math.inf, *[float(v) for v in grid], math.inf]
+
+
+def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = None, resamples: int = RESAMPLES,
+            seed: int = BOOTSTRAP_SEED, aggregation: str = "min", band: tuple = BAND) -> dict:
+    """Every router of ``grids`` (``{"fixed": [tau, ...], "accept_rate": [r, ...], "relative": [tau, ...]}``; default:
+    :func:`_grid` of each mode) scored exactly on ``trees``, against random routing at the same acceptance, with
+    bootstrap CIs over clips. See docs/toy_tree.md for the fields."""
+    if not trees:
+        raise ValueError("no trees to analyse")
+    clips = _Clips.of(trees)
+    N, n = len(trees), clips.n
+    W = bootstrap_weights(N, resamples, seed)
+    grids = grids if grids is not None else {m: _grid(trees, m) for m in MODES}
+    settings_json = lambda v: v if math.isfinite(v) else str(v)  # noqa: E731
+    report = {
+        "clips": N, "drafted_blocks_per_clip": n,
+        "bootstrap": {"resamples": resamples, "seed": seed, "level": 0.95, "over": "clips"},
+        "block_seconds": block_seconds,
+        "target_only": {"quality": float(clips.target_only.mean()), "ci": _ci(W @ clips.target_only / N)},
+        "draft_only": {"quality": float(clips.draft_only.mean()), "ci": _ci(W @ clips.draft_only / N)},
+        "modes": {}, "average_in_band": {}, "band": list(band),
+    }
+    for mode, values in grids.items():
+        rows, in_band, in_band_boot = [], [], []
+        for value in values:
+            result = evaluate(trees, tree_router(mode, value, aggregation=aggregation))
+            q, a = result["quality"], result["accepted"]
+            p = float(a.sum() / (N * n))
+            random = float(np.mean(clips.coef @ _bernstein(p, n)))
+            # bootstrap: quality, acceptance and the random expectation at the resample's own acceptance
+            q_r = W @ q / N
+            p_r = W @ a / (N * n)
+            random_r = np.einsum("rk,rk->r", W @ clips.coef, _bernstein(p_r, n)) / N
+            diff_r = q_r - random_r
+            row = {
+                "setting": settings_json(float(value)), "acceptance": p, "quality": float(q.mean()), "quality_ci": _ci(q_r),
+                "random_quality": random, "router_minus_random": float(q.mean()) - random,
+                "router_minus_random_ci": _ci(diff_r),
+                "quality_ratio_to_target": float(q.mean() / clips.target_only.mean()) if clips.target_only.mean() > 0 else None,
+                "counts": {k: float(v.sum()) for k, v in result["counts"].items()},
+                "speedup": _speedup(result["counts"], n + 1, N, block_seconds),
+            }
+            rows.append(row)
+            if band[0] <= p <= band[1]:
+                in_band.append(row["router_minus_random"])
+                in_band_boot.append(diff_r)
+        report["modes"][mode] = rows
+        report["average_in_band"][mode] = None if not in_band else {
+            "router_minus_random": float(np.mean(in_band)), "ci": _ci(np.mean(in_band_boot, axis=0)),
+            "settings": len(in_band)}
+    report["best_fixed_tau"] = _best_fixed(report)
+    report["per_clip"] = [{"caption": t.caption, "seed": t.seed, "target_only": t.leaves[0]["quality"],
+                           "draft_only": t.draft_only["quality"], "all_accept": t.leaves[-1]["quality"],
+                           "best_leaf": float(t.leaf_quality().max()), "worst_leaf": float(t.leaf_quality().min()),
+                           "build_seconds": t.build_seconds} for t in trees]
+    return report
+
+
+def _best_fixed(report: dict) -> dict | None:
+    """The fixed tau with the highest acceptance (then speedup) whose quality is >= 98% of target-only."""
+    target = report["target_only"]["quality"]
+    rows = [r for r in report["modes"].get("fixed", []) if target > 0 and r["quality"] >= QUALITY_SHARE * target]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: (r["speedup"] or 0.0, r["acceptance"]))
+    return {"tau": best["setting"], "acceptance": best["acceptance"], "quality": best["quality"],
+            "quality_ratio_to_target": best["quality_ratio_to_target"], "speedup": best["speedup"]}
+
+
+# ============================================================================================== cache, timing, CLI
+def weights_hash(weights: Path) -> str:
+    """A short hash of a weights folder's MANIFEST.json (the files' sha256, checked when the models load)."""
+    manifest = json.loads((Path(weights) / "MANIFEST.json").read_text())
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tree_path(cache: Path, key: dict) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "_", key["caption"].lower()).strip("_")
+    folder = f"{key['preset']}_{key['num_frames']}f_{key['crop']}_{key['preprocess']}"
+    return Path(cache) / key["weights"] / folder / f"{slug}_seed{key['seed']}.json"
+
+
+def load_or_build(builder: TreeBuilder, cache: Path | None, caption: str, seed: int, *, build: bool = True,
+                  log=print) -> ClipTree | None:
+    """The cached tree of ``(caption, seed)`` if its key matches, else a new one (saved atomically)."""
+    key = builder.key(caption, seed)
+    path = tree_path(cache, key) if cache is not None else None
+    if path is not None and path.exists():
+        tree = ClipTree.from_json(json.loads(path.read_text()), where=str(path))
+        if tree.key != key:
+            raise ValueError(f"{path}: made for {tree.key}, expected {key}; delete it to rebuild")
+        return tree
+    if not build:
+        return None
+    tree = builder.build(caption, seed)
+    log(f"  tree {caption!r} seed {seed}: {tree.build_seconds:.1f} s")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(tree.to_json()))
+        tmp.replace(path)
+    return tree
+
+
+def measure_block_seconds(models, *, preset: str = "native", num_frames: int = NUM_FRAMES,
+                          caption: str = "a red ball moving right on black", repeats: int = 2) -> dict:
+    """Seconds per block of each component, measured on ``models`` with the pipeline's own timers (one worker;
+    the fastest of ``repeats`` after a warm-up): drafter and target (their context passes included) from
+    draft_only / target_only runs, decode from both, reward from scoring one 12-frame block."""
+    pipe = build_pipeline(models, preset=preset, workers=1)
+    fpb = pipe.target.frames_per_block
+    B = video_frames_to_latent_frames(num_frames, fpb) // fpb
+    embeds = embed_caption(caption)
+    runs = {}
+    for mode in ("target_only", "draft_only"):
+        best = None
+        for _ in range(repeats + 1):  # the first is a warm-up
+            secs = pipe.generate(embeds, prompt=caption, num_frames=num_frames, width=SIZE, height=SIZE, seed=0,
+                                 options=SDVGOptions(mode=mode)).report["seconds"]
+            best = secs if best is None or secs["wall"] < best["wall"] else best
+        runs[mode] = best
+    frames = torch.rand(4 * fpb, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    prompt = pipe.router.scorer.encode_prompt(caption)
+    times = []
+    for _ in range(repeats + 3):
+        t = time.perf_counter()
+        pipe.router.score_frames(frames, prompt)
+        times.append(time.perf_counter() - t)
+    return {"drafter": runs["draft_only"]["drafter"] / B, "target": runs["target_only"]["target"] / B,
+            "decode": (runs["draft_only"]["vae"] + runs["target_only"]["vae"]) / (2 * B), "score": min(times[1:]),
+            "threads": torch.get_num_threads()}
+
+
+def clip_list(clips: int, seeds: int = 1) -> list[tuple[str, int]]:
+    """``clips`` prompts (:func:`demo.prompts_for`: the showcase prompts first) x seeds ``0 .. seeds-1``."""
+    return [(p, s) for s in range(seeds) for p in prompts_for(clips)]
+
+
+def _parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not (0 <= int(m.group(1)) < int(m.group(2))):
+        raise SystemExit(f"--shard {text}: expected i/n with 0 <= i < n (e.g. 0/2 and 1/2 for two processes)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _fmt_ci(ci) -> str:
+    return f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
+def format_report(report: dict) -> str:
+    """A short table: per mode the settings nearest acceptance 0.1/0.3/0.5/0.7/0.9, then the verdicts."""
+    lines = [f"{report['clips']} clips, {report['drafted_blocks_per_clip'] + 1} blocks each; "
+             f"target-only quality {report['target_only']['quality']:.3f} [{report['target_only']['ci'][0]:.3f}, "
+             f"{report['target_only']['ci'][1]:.3f}], draft-only {report['draft_only']['quality']:.3f} "
+             f"[{report['draft_only']['ci'][0]:.3f}, {report['draft_only']['ci'][1]:.3f}] (95% CI over clips)",
+             f"{'mode':<12} {'setting':>9} {'accept':>6} {'quality':>8} {'random':>7} {'router-random':>14} "
+             f"{'95% CI':>18} {'speedup':>8}"]
+    for mode, rows in report["modes"].items():
+        shown = []
+        for target in (0.1, 0.3, 0.5, 0.7, 0.9):
+            row = min(rows, key=lambda r: abs(r["acceptance"] - target))
+            if row not in shown:
+                shown.append(row)
+        for r in sorted(shown, key=lambda r: r["acceptance"]):
+            s = r["setting"]
+            setting = f"{s:.3f}" if isinstance(s, float) else s
+            speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+            lines.append(f"{mode:<12} {setting:>9} {r['acceptance']:>6.2f} {r['quality']:>8.3f} {r['random_quality']:>7.3f} "
+                         f"{r['router_minus_random']:>+14.3f} {_fmt_ci(r['router_minus_random_ci']):>18} {speed:>8}")
+    lo, hi = report["band"]
+    for mode, avg in report["average_in_band"].items():
+        lines.append(f"{mode}: router - random averaged over acceptance {lo}-{hi}: " + (
+            "no setting in the band" if avg is None else
+            f"{avg['router_minus_random']:+.3f} {_fmt_ci(avg['ci'])} over {avg['settings']} settings"))
+    best = report["best_fixed_tau"]
+    lines.append("best fixed tau with >= 98% of target-only quality: " + ("none" if best is None else
+                 f"tau={best['tau']} acceptance {best['acceptance']:.2f}, "
+                 f"quality {best['quality']:.3f} ({100 * best['quality_ratio_to_target']:.1f}%), "
+                 + (f"speedup {best['speedup']:.2f}x (cost model)" if best["speedup"] else "no timing")))
+    s = report.get("block_seconds")
+    if s:
+        lines.append(f"seconds per block ({s.get('threads', '?')} thread(s)): drafter {1e3 * s['drafter']:.1f} ms, target "
+                     f"{1e3 * s['target']:.1f} ms, decode {1e3 * s['decode']:.1f} ms, score {1e3 * s['score']:.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict | None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default=str(WEIGHTS), help="toy weights folder (default: the shipped weights)")
+    ap.add_argument("--cache", default="outputs/tree_cache", help="folder of per-clip trees (reused; shards share it)")
+    ap.add_argument("--out", default="outputs/toy_tree.json", help="the JSON report")
+    ap.add_argument("--clips", type=int, default=DEFAULT_CLIPS, help="prompts (demo.prompts_for: showcase prompts first)")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per prompt (0 .. seeds-1)")
+    ap.add_argument("--frames", type=int, default=NUM_FRAMES, help="frames per clip, 12n - 3 (81 = 7 blocks, 63 nodes)")
+    ap.add_argument("--preset", default="native", choices=("native", "reference"))
+    ap.add_argument("--shard", default=None, help="i/n: build only clips j with j %% n == i, then stop (no analysis); "
+                                                  "a run without --shard then analyses every cached tree")
+    ap.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples over clips")
+    ap.add_argument("--bootstrap-seed", type=int, default=BOOTSTRAP_SEED)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--no-timing", action="store_true", help="skip measuring per-block seconds (no speedups)")
+    args = ap.parse_args(argv)
+    shard = _parse_shard(args.shard)
+    if args.clips < 1 or args.seeds < 1:
+        raise SystemExit("--clips and --seeds must be >= 1")
+    torch.set_num_threads(args.threads)
+    weights = Path(args.weights)
+    models = load_toy_models(weights=weights)  # checks every file against MANIFEST.json
+    builder = TreeBuilder(models, preset=args.preset, num_frames=args.frames, weights_id=weights_hash(weights))
+    clips = clip_list(args.clips, args.seeds)
+    mine = [c for j, c in enumerate(clips) if shard is None or j % shard[1] == shard[0]]
+    print(f"toy tree: {len(mine)} of {len(clips)} clips, {builder.num_blocks} blocks ({2 ** (builder.num_blocks - 1) - 1} "
+          f"nodes), preset {args.preset}, weights {weights} ({builder.weights_id}), cache {args.cache}")
+    began = time.perf_counter()
+    trees = [load_or_build(builder, Path(args.cache), caption, seed) for caption, seed in mine]
+    built = [t.build_seconds for t in trees]
+    if shard is not None:
+        print(f"shard {args.shard}: {len(trees)} trees in {args.cache} ({time.perf_counter() - began:.0f} s); "
+              "run again without --shard to analyse all of them")
+        return None
+    block_seconds = None if args.no_timing else measure_block_seconds(models, preset=args.preset, num_frames=args.frames)
+    report = analyse(trees, block_seconds=block_seconds, resamples=args.resamples, seed=args.bootstrap_seed)
+    report["settings"] = {"weights": str(weights), "weights_hash": builder.weights_id, "preset": args.preset,
+                          "num_frames": args.frames, "clips": [{"caption": c, "seed": s} for c, s in clips],
+                          "crop": builder.pipe.router.crop, "preprocess": builder.pipe.router.preprocess}
+    report["tree_build_seconds"] = {"mean_per_clip": float(np.mean(built)), "max_per_clip": float(np.max(built)),
+                                    "threads": torch.get_num_threads()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(format_report(report))
+    print(f"trees built in {np.mean(built):.1f} s per clip (mean, {torch.get_num_threads()} thread(s)); report {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Whole-tree evaluation (sdvg_engine.toy.tree): the tree's paths are the pipeline's outputs, routers walked on it
+decide as the pipeline does, random routing is scored by its exact expectation, and the bootstrap is seeded."""
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sdvg_engine.pipeline import SDVGOptions
+from sdvg_engine.router import RandomRouter, RewardRouter
+from sdvg_engine.toy import demo
+from sdvg_engine.toy import tree as T
+from sdvg_engine.toy.models import load_toy_models
+from sdvg_engine.toy.world import clip_metrics
+
+FRAMES = 33  # 3 blocks: block 0 by the target, 2 decisions, 3 nodes, 4 leaves
+CLIPS = (("a red ball moving right on black", 0), ("a green triangle moving left on gray", 3))
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_toy_models()
+
+
+@pytest.fixture(scope="module")
+def built(models):
+    builder = T.TreeBuilder(models, num_frames=FRAMES, weights_id="test")
+    return {clip: builder.build(*clip, keep_frames=True) for clip in CLIPS}
+
+
+def _midpoints(values):
+    v = sorted(set(values))
+    return [(a + b) / 2 for a, b in zip(v, v[1:])]
+
+
+def _routers(tree, first: bool):
+    """A fixed tau between the tree's draft scores, an adaptive rate, a relative margin between its margins; the first
+    clip also +-inf (target-only and all-accept)."""
+    drafts = sorted(min(s) for level in tree.draft for s in level)
+    margins = sorted([min(tree.draft[0][0]) - min(tree.block0)] + [
+        min(tree.draft[1][h]) - min((tree.draft if h else tree.target)[0][0]) for h in (0, 1)])
+    routers = [("fixed", _midpoints(drafts)[1]), ("accept_rate", 0.5 if first else 0.9),
+               ("relative", _midpoints(margins)[0 if first else 1])]
+    return routers + ([("fixed", math.inf), ("fixed", -math.inf)] if first else [])
+
+
+def _pipeline_run(models, caption, seed, mode, value, preset="native"):
+    pipe = demo.build_pipeline(models, preset=preset)
+    kw = {"accept_rate": value} if mode == "accept_rate" else {"tau": value}
+    pipe.router = RewardRouter(models.scorer, tau_mode=mode, **kw)
+    return pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
+                         seed=seed, options=SDVGOptions())
+
+
+def test_tree_paths_are_the_pipelines_outputs(models, built):
+    seen = set()
+    for i, ((caption, seed), (tree, frames)) in enumerate(built.items()):
+        assert tree.num_decisions == 2 and len(tree.leaves) == 4 and sorted(frames) == [0, 1, 2, 3]
+        for mode, value in _routers(tree, first=i == 0):
+            w = T.walk(tree, T.tree_router(mode, value))
+            result = _pipeline_run(models, caption, seed, mode, value)
+            assert torch.equal(frames[w.leaf], result.frames), (caption, mode, value)
+            assert result.report["decisions"][1:] == ["draft" if d.accept else "target" for d in w.decisions]
+            for d, block in zip(w.decisions, result.blocks[1:]):
+                assert d.block_score == block.decision.block_score and d.tau == block.decision.tau
+                assert d.reference_score == block.decision.reference_score
+            metrics = clip_metrics(result.frames.numpy(), caption)
+            assert tree.leaves[w.leaf]["quality"] == metrics["quality"]
+            seen.add((mode, w.leaf))
+        draft_only = demo._run(demo.build_pipeline(models), caption, seed, SDVGOptions(mode="draft_only"), FRAMES)[1]
+        assert tree.draft_only["quality"] == draft_only["quality"]
+    assert {leaf for mode, leaf in seen if mode == "fixed"} >= {0, 3}  # tau=+inf: the all-reject (target-only) leaf
+    assert len({leaf for _, leaf in seen}) >= 3  # the routers reach different leaves
+
+
+def test_tree_under_the_reference_preset_too(models):
+    caption, seed = CLIPS[0]
+    tree, frames = T.TreeBuilder(models, preset="reference", num_frames=FRAMES).build(caption, seed, keep_frames=True)
+    for mode, value in (("fixed", _midpoints([min(s) for lv in tree.draft for s in lv])[0]), ("relative", 0.0)):
+        result = _pipeline_run(models, caption, seed, mode, value, preset="reference")
+        assert torch.equal(frames[T.walk(tree, T.tree_router(mode, value)).leaf], result.frames)
+
+
+# ------------------------------------------------------------------------------ exact random expectation
+def _synthetic(n=3, seed=0, caption="a red ball moving right on black"):
+    rng = np.random.default_rng(seed)
+    return T.ClipTree(
+        caption=caption, seed=seed, num_frames=12 * (n + 1) - 3, preset="native", block0=[float(rng.normal())],
+        draft=[[[float(x) for x in rng.normal(size=2)] for _ in range(2 ** b)] for b in range(n)],
+        target=[[[float(x) for x in rng.normal(size=2)] for _ in range(2 ** b)] for b in range(n)],
+        leaves=[{"quality": float(q), "adherence": 0.0, "temporal": 0.0} for q in rng.uniform(size=2 ** n)],
+        draft_only={"quality": float(rng.uniform())})
+
+
+def test_random_expectation_is_exact():
+    tree = _synthetic(n=3)
+    q = tree.leaf_quality()
+    for p in (0.0, 0.3, 0.5, 0.85, 1.0):
+        brute = 0.0
+        for path in itertools.product((0, 1), repeat=3):  # path[i]: block i + 1 accepted
+            prob = math.prod(p if a else 1 - p for a in path)
+            brute += prob * q[sum(a << i for i, a in enumerate(path))]
+        assert T.random_expectation(tree, p) == pytest.approx(brute, abs=1e-12)
+    assert T.random_expectation(tree, 0.0) == q[0] and T.random_expectation(tree, 1.0) == q[-1]
+    # Monte Carlo with the pipeline's own random router (its draws keyed per block), walking the tree
+    p, draws = 0.37, []
+    for key in range(4000):
+        router = RandomRouter(p, seed=key, key="mc")
+        leaf = sum(int(router.decide_block(b).accept) << (b - 1) for b in (1, 2, 3))
+        draws.append(q[leaf])
+    se = np.std(draws) / math.sqrt(len(draws))
+    assert abs(np.mean(draws) - T.random_expectation(tree, p)) < 4 * se
+    with pytest.raises(ValueError, match="p must be in"):
+        T.random_expectation(tree, 1.5)
+
+
+def test_walks_by_hand():
+    t = _synthetic(n=2)
+    t.block0 = [0.0]
+    t.draft = [[[0.5, 0.2]], [[-1.0, 0.3], [0.6, 0.9]]]  # block 1 min 0.2; block 2 after reject -1.0, after accept 0.6
+    t.target = [[[0.1, 0.4]], [[0.0], [0.0]]]  # target block 1 min 0.1
+    assert T.walk(t, T.tree_router("fixed", 0.0)).leaf == 0b11  # 0.2 >= 0, 0.6 >= 0
+    assert T.walk(t, T.tree_router("fixed", 0.3)).leaf == 0b00  # 0.2 < 0.3, then after reject -1.0 < 0.3
+    assert T.walk(t, T.tree_router("fixed", 0.3, aggregation="mean")).leaf == 0b11  # means 0.35, 0.75
+    w = T.walk(t, T.tree_router("relative", 0.3))  # 0.2 - 0.0 < 0.3: reject; -1.0 - 0.1 < 0.3: reject
+    assert w.leaf == 0 and [d.reference_score for d in w.decisions] == [0.0, pytest.approx(0.1)]
+    assert w.scored_target_blocks == 2  # block 0 and the regenerated block 1
+    w = T.walk(t, T.tree_router("relative", 0.2))  # 0.2 >= 0.2: accept; 0.6 - 0.2 >= 0.2: accept
+    assert w.leaf == 0b11 and w.decisions[1].reference_score == pytest.approx(0.2) and w.scored_target_blocks == 1
+    with pytest.raises(ValueError, match="temporal_weight=0"):
+        T.walk(t, T.tree_router("fixed", 0.0, temporal_weight=0.5))
+
+
+# ------------------------------------------------------------------------------ analysis and bootstrap
+def test_analysis_and_bootstrap():
+    trees = [_synthetic(n=3, seed=s) for s in range(8)]
+    seconds = {"drafter": 0.02, "target": 0.1, "decode": 0.04, "score": 0.005}
+    a = T.analyse(trees, resamples=500, seed=1, block_seconds=seconds)
+    again = T.analyse(trees, resamples=500, seed=1, block_seconds=seconds)
+    assert json.dumps(a) == json.dumps(again)  # seeded: identical
+    other = T.analyse(trees, resamples=500, seed=2, block_seconds=seconds)
+    assert other["modes"]["fixed"][5]["quality_ci"] != a["modes"]["fixed"][5]["quality_ci"]
+    q0 = np.mean([t.leaves[0]["quality"] for t in trees])
+    assert a["target_only"]["quality"] == pytest.approx(q0)
+    for mode, rows in a["modes"].items():
+        for r in rows:
+            lo, hi = r["router_minus_random_ci"]
+            assert lo <= r["router_minus_random"] <= hi, (mode, r)
+            assert r["quality_ci"][0] <= r["quality"] <= r["quality_ci"][1]
+            # the random term is the exact expectation at the router's realized acceptance
+            expected = np.mean([T.random_expectation(t, r["acceptance"]) for t in trees])
+            assert r["random_quality"] == pytest.approx(expected, abs=1e-12)
+    fixed = a["modes"]["fixed"]
+    assert fixed[0]["setting"] == "-inf" and fixed[0]["acceptance"] == 1.0
+    assert fixed[-1]["setting"] == "inf" and fixed[-1]["acceptance"] == 0.0 and fixed[-1]["quality"] == pytest.approx(q0)
+    assert fixed[-1]["router_minus_random"] == pytest.approx(0.0, abs=1e-12)
+    # all-reject: the target makes every block: the speedup is below 1 (drafts and scores wasted)
+    assert fixed[-1]["counts"] == {"drafter": 24.0, "target": 32.0, "decode": 56.0, "score": 24.0}
+    cost = 24 * 0.02 + 32 * 0.1 + 56 * 0.04 + 24 * 0.005
+    assert fixed[-1]["speedup"] == pytest.approx(8 * 4 * 0.14 / cost)
+    band = [r["router_minus_random"] for r in fixed if 0.1 <= r["acceptance"] <= 0.9]
+    assert a["average_in_band"]["fixed"]["router_minus_random"] == pytest.approx(np.mean(band))
+    lo, hi = a["average_in_band"]["fixed"]["ci"]
+    assert lo <= np.mean(band) <= hi
+    best = a["best_fixed_tau"]
+    assert best is not None and best["quality"] >= 0.98 * q0
+    # relative walks score the target's blocks too
+    rel = a["modes"]["relative"][-1]  # tau=+inf: all rejected, 1 + 2 scored target blocks per clip
+    assert rel["counts"]["score"] == 8 * (3 + 3)
+    assert "no setting" in T.format_report(a) or "averaged over acceptance" in T.format_report(a)
+
+
+def test_main_caches_shards_and_merges(tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "report.json"
+    common = ["--clips", "2", "--frames", str(FRAMES), "--cache", str(cache), "--out", str(out), "--resamples", "200",
+              "--no-timing"]
+    assert T.main(common + ["--shard", "0/2"]) is None
+    files = sorted(cache.rglob("*.json"))
+    assert len(files) == 1 and not out.exists()
+    T.main(common + ["--shard", "1/2"])
+    files = sorted(cache.rglob("*.json"))
+    assert len(files) == 2
+    stamps = {f: f.stat().st_mtime_ns for f in files}
+    report = T.main(common)
+    assert {f: f.stat().st_mtime_ns for f in files} == stamps  # the merged run rebuilt nothing
+    assert json.loads(out.read_text())["clips"] == 2 == report["clips"]
+    assert [c["caption"] for c in report["settings"]["clips"]] == demo.prompts_for(2)
+    assert report["settings"]["weights_hash"] in str(files[0])
+    # a tree whose key does not match its file is refused, naming the file
+    data = json.loads(files[0].read_text())
+    data["key"]["seed"] = 99
+    files[0].write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="delete it to rebuild"):
+        T.main(common)
+    with pytest.raises(SystemExit, match="--shard 2/2"):
+        T.main(common + ["--shard", "2/2"])
