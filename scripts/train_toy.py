@@ -9,7 +9,10 @@
     python scripts/train_toy.py all       # the exact sequence behind the shipped weights (see main())
 
 Every subcommand is deterministic given --seed and --threads (default 1 thread; torch's CPU kernels are
-deterministic at a fixed thread count) and is sized to stay under 30 minutes on 2 shared CPU cores.
+deterministic at a fixed thread count) and is sized to stay under 45 minutes on one core. Runs are resumable:
+``--run NAME`` saves the run's state every ``--save-every`` steps under ``--state-dir`` and the same command continues
+it; ``all`` names every job and skips finished ones. Stage a retraining outside the package with ``--weights-dir``
+(a copy of ``sdvg_engine/toy/weights``) and copy the folder back when it is accepted.
 """
 
 from __future__ import annotations
@@ -665,18 +668,33 @@ def main(argv=None):
         # seeded with seed + 1 = 0), then to continue its own estimates and, last, the drafter's (see
         # first_block_loss, self_context, clip_loss).
         long_clips = dict(resume=True, window=25, batch=2, steps=1200, threads=2)
+        six = dict(layers=6, threads=2)  # the target had 6 layers until it was grown to 12 (last job)
         jobs = [("vae", dict(threads=1)), ("vae", dict(long_clips, lr=5e-4)),
                 ("vae", dict(long_clips, lr=3e-4, seed=1, stop_after=990)),
                 ("reward", dict(threads=1)), ("latents", dict(threads=2)),
-                ("target", dict(threads=2)), ("target", dict(resume=True, steps=600, lr=5e-4, seed=1, threads=2)),
-                ("target", dict(resume=True, steps=400, lr=5e-4, seed=2, threads=2)),
-                ("target", dict(resume=True, steps=500, batch=0, lr=5e-4, seed=-1, threads=2, first_block_only=True,
+                ("target", dict(six)), ("target", dict(six, resume=True, steps=600, lr=5e-4, seed=1)),
+                ("target", dict(six, resume=True, steps=400, lr=5e-4, seed=2)),
+                ("target", dict(six, resume=True, steps=500, batch=0, lr=5e-4, seed=-1, first_block_only=True,
                                 first_block_batch=32, ema=False)),
-                ("target", dict(resume=True, steps=350, batch=4, lr=3e-4, seed=4, threads=2, self_context=0.5,
+                ("target", dict(six, resume=True, steps=350, batch=4, lr=3e-4, seed=4, self_context=0.5,
                                 first_block_batch=16)),
                 ("drafter", dict(steps=2000, batch=4, lr=1e-3, seed=6, threads=2, self_context=0.5, first_block_batch=8)),
-                ("target", dict(resume=True, steps=300, batch=4, lr=2e-4, seed=7, threads=2, self_context=0.3,
+                ("target", dict(six, resume=True, steps=300, batch=4, lr=2e-4, seed=7, self_context=0.3,
                                 drafter_context=0.4, first_block_batch=16))]
+        # 2026-12-01 (issue 16): the VAE continued on whole 81-frame streams (its round trip had collapsed after
+        # ~33 frames), one run whose schedule changed at step 350 (clips of the colours that still collapsed drawn
+        # twice as often), then a short balanced run at a low rate; the reward retrained on its decodes; both DiTs
+        # continued on the new latents, the target grown to 12 layers (grow_depth) for the real cost ratio.
+        # One thread each; the reward ran beside the drafter and the target.
+        streams = dict(resume=True, window=81, batch=2, threads=1)
+        jobs += [("vae", dict(streams, steps=700, lr=3e-4, seed=11, run="vae81", stop_after=350)),
+                 ("vae", dict(streams, steps=900, lr=3e-4, seed=11, run="vae81", colour_weights={"blue": 2.0, "yellow": 2.0})),
+                 ("vae", dict(streams, steps=200, lr=1e-4, seed=14)),
+                 ("latents", dict(threads=1)), ("reward", dict(threads=1)),
+                 ("drafter", dict(resume=True, steps=600, batch=4, lr=5e-4, seed=16, threads=1, self_context=0.5,
+                                  first_block_batch=8)),
+                 ("target", dict(resume=True, layers=12, steps=300, batch=4, lr=3e-4, seed=17, threads=1, self_context=0.3,
+                                 drafter_context=0.4, first_block_batch=16))]
     else:
         jobs = [(args.what, {})]
     for i, (job, overrides) in enumerate(jobs):

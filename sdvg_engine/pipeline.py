@@ -332,8 +332,9 @@ class SpeculativePipeline:
         router, opts = self.router, run.options
         previous = wait(run.previous_features)
         if not opts.cascade or frames.shape[0] <= opts.cascade_frames:
-            decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau,
-                                            reference=wait(run.reference))
+            # Only relative routing takes a reference, so routers written against the older judge() keep working.
+            relative = {"reference": wait(run.reference)} if router.tau_mode == "relative" else {}
+            decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau, **relative)
             run.draft_features = scores.image_features[-1]
             return decision
         first = torch.linspace(0, frames.shape[0] - 1, opts.cascade_frames).round().long().unique()

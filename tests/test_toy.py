@@ -57,7 +57,7 @@ def test_shipped_weights_match_their_hashes():
     manifest = json.loads(toy_models.MANIFEST.read_text())
     total = sum(entry["bytes"] for entry in manifest.values())
     assert set(manifest) == set(toy_models.FILES.values())
-    assert total <= 20 * 2**20
+    assert total <= 32 * 2**20  # the 12-layer target is 27 MB of it (grown for the real cost ratio)
 
 
 def test_short_demo_run(tmp_path):
