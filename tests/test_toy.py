@@ -112,14 +112,14 @@ def test_short_demo_run(tmp_path):
 def test_shipped_models_show_the_target_drafter_gap():
     """The shipped weights do what the README says: the target renders the caption from its first block on and
     beats the drafter clearly; the drafter continues a target-made first block better than it starts a clip.
-    (45 frames, two prompts where the gap is wide; the README reports the full sweep.)"""
+    (45 frames, two prompts where the 32-clip trees show a wide gap; the README reports all 32.)"""
     from sdvg_engine.pipeline import SDVGOptions
     from sdvg_engine.toy import demo
 
     models = toy_models.load_toy_models()
     pipe = demo.build_pipeline(models)
     quality = {"target_only": [], "draft_only": [], "first_block_only": []}
-    for caption in ("a red ball moving right on white", "a red square moving up on gray"):
+    for caption in ("a red ball moving left on white", "a blue square moving right on gray"):
         for mode in quality:
             _, metrics = demo._run(pipe, caption, 0, SDVGOptions(mode=mode), num_frames=45)
             quality[mode].append(metrics["quality"])

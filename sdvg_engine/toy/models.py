@@ -3,10 +3,11 @@
 * VAE: ``diffusers.AutoencoderKLWan`` (base_dim 8, z_dim 16, one res block per stage), 32x32 px -> 4x4 latents;
   its ``latents_mean`` / ``latents_std`` are the trained encoder's per-channel statistics.
 * drafter / target: :class:`CausalWanTransformer3DModel`, patch 1x1x1 (16 tokens per latent frame), text_dim 256
-  (:mod:`.text`). The target (6 layers, width 256, 7.0M parameters) costs ~12x the drafter's (2 layers, width 128,
-  0.7M) multiply-adds per token, like 14B vs 1.3B; on a CPU that is ~5x the drafter's wall time per call, because
-  at 48 tokens per call the drafter is bound by per-operation overhead, not arithmetic. (A 2-layer, 64-wide
-  drafter never learned to place the object in the first block; see scripts/train_toy.py first_block_loss.)
+  (:mod:`.text`). The target (12 layers, width 256, 13.3M parameters) costs ~25x the drafter's (2 layers, width 128,
+  0.7M) multiply-adds per token and ~10x its wall time per block on one CPU thread, like 14B against 1.3B at real
+  size (the drafter is bound by per-operation overhead at 48 tokens per call). It was grown from a 6-layer target
+  (``scripts/train_toy.py`` ``grow_depth``), which cost only ~5x the drafter's time. (A 2-layer, 64-wide drafter
+  never learned to place the object in the first block; see scripts/train_toy.py first_block_loss.)
 * reward: ``sdvg_engine.reward.ImageRewardModel`` with a tiny config (32x32 ViT), BLIP tokenizer.
 
 Weights live in ``weights/`` as bfloat16 safetensors (loaded as float32); :func:`load_toy_models` checks each file's sha256 against
@@ -30,7 +31,7 @@ VAE_CONFIG = dict(base_dim=8, z_dim=16, num_res_blocks=1)
 _DIT_COMMON = dict(patch_size=(1, 1, 1), in_channels=16, out_channels=16, text_dim=256, freq_dim=256,
                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 DRAFTER_CONFIG = dict(_DIT_COMMON, num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=2)
-TARGET_CONFIG = dict(_DIT_COMMON, num_attention_heads=8, attention_head_dim=32, ffn_dim=1024, num_layers=6)
+TARGET_CONFIG = dict(_DIT_COMMON, num_attention_heads=8, attention_head_dim=32, ffn_dim=1024, num_layers=12)
 REWARD_HEADS = dict(vision_heads=2, text_heads=2)
 
 
