@@ -316,6 +316,7 @@ def test_subprocess_errors_are_one_line_with_status_2(prepared):
 
 _SIGINT_WHILE_LOADING = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (a background launcher leaves SIGINT ignored)
 import sdvg_engine.models.loading as loading
 from sdvg_engine.cli import main
 
@@ -418,6 +419,7 @@ def test_write_video_never_replaces_without_overwrite(tmp_path):
 
 _CTRL_C_DURING_SECOND_VIDEO = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (see above)
 import sdvg_engine.pipeline as pipeline
 from sdvg_engine.cli import main
 
