@@ -136,3 +136,30 @@ def test_shipped_vae_holds_whole_streams(train_toy):
     assert set(quality) == {"red", "green", "blue", "yellow"} and all(len(q) == 7 for q in quality.values())
     assert train_toy.vae_holds(quality), quality
     assert not train_toy.vae_holds({"blue": [0.6, 0.6, 0.6, 0.0, 0.0, 0.0, 0.0]})
+
+
+def test_reward_learns_on_what_the_pipeline_generates(train_toy):
+    """The reward's generated pool is the toy pipeline's own output (draft-only, then target-only, from the seeds its
+    rng draws), and with generated_share=1 every training frame comes from it, labelled with the world's metric."""
+    from sdvg_engine.pipeline import SDVGOptions
+    from sdvg_engine.reward import BlipTokenizer
+    from sdvg_engine.toy.demo import _run, build_pipeline
+    from sdvg_engine.toy.world import Scene, frame_adherence
+
+    scenes = all_scenes()
+    pool = train_toy.generated_pool(np.random.default_rng(3), scenes, 2)
+    rng = np.random.default_rng(3)  # the draws generated_pool made: scene, then seed, per clip
+    pipe = build_pipeline(toy_models.load_toy_models())
+    for (scene, frames), mode in zip(pool, ("draft_only", "target_only")):
+        assert scene == scenes[rng.integers(len(scenes))]
+        seed = int(rng.integers(1000, 1 << 30))
+        result, _ = _run(pipe, scene.caption, seed, SDVGOptions(mode=mode))
+        assert frames.shape == (81, 32, 32, 3) and frames.dtype == np.float32
+        np.testing.assert_array_equal(frames, result.frames.float().numpy())
+    frames, ids, masks, y = train_toy.reward_batch(np.random.default_rng(0), scenes, BlipTokenizer(), 4, 2,
+                                                   pool=None, generated=pool[:1], generated_share=1.0)
+    scene, clip = pool[0]
+    pixels = frames.permute(0, 2, 3, 1).numpy()
+    assert all(any(np.array_equal(p, f) for f in clip) for p in pixels)
+    expected = [train_toy.reward_target(np.array(frame_adherence(p, scene))) for p in pixels]
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-6)
