@@ -141,6 +141,13 @@ def video_frames_to_latent_frames(num_frames: int, frames_per_block: int = 3) ->
     return latent
 
 
+def pad_text(prompt_embeds: torch.Tensor) -> torch.Tensor:
+    """Text context ``[1, L, D]`` with zero rows appended up to ``TEXT_LEN``, as the reference pads UMT5's output."""
+    if prompt_embeds.shape[1] >= TEXT_LEN:
+        return prompt_embeds
+    return torch.nn.functional.pad(prompt_embeds, (0, 0, 0, TEXT_LEN - prompt_embeds.shape[1]))
+
+
 def unit_frames(pixels: torch.Tensor) -> torch.Tensor:
     """Decoded pixels ``[1, 3, T, H, W]`` in [-1, 1] -> frames ``[T, 3, H, W]`` in 0..1 (what the reward takes)."""
     return ((pixels[0].transpose(0, 1).float() + 1.0) / 2.0).clamp(0, 1)
@@ -499,8 +506,7 @@ class SpeculativePipeline:
         if opts.mode == "sdvg" and not str(prompt).strip():
             raise ValueError("mode 'sdvg' scores drafts against the prompt text, but prompt is empty; pass prompt=... "
                              "(the text the embeddings were made from)")
-        if prompt_embeds.shape[1] < TEXT_LEN:  # the reference pads UMT5 output to 512 rows
-            prompt_embeds = torch.nn.functional.pad(prompt_embeds, (0, 0, 0, TEXT_LEN - prompt_embeds.shape[1]))
+        prompt_embeds = pad_text(prompt_embeds)
         if opts.refine_from_step is not None:
             steps = self.drafter.schedule.num_steps
             if not 1 <= opts.refine_from_step < steps:

@@ -8,12 +8,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from sdvg_engine.pipeline import SDVGOptions
 from sdvg_engine.router import RandomRouter, RewardRouter
 from sdvg_engine.toy import demo
 from sdvg_engine.toy import tree as T
-from sdvg_engine.toy.models import load_toy_models
+from sdvg_engine.toy.models import FILES, WEIGHTS, load_reward, load_toy_models
+from sdvg_engine.toy.tree_frames import ScoredFrames, node_values, rescore
 from sdvg_engine.toy.world import clip_metrics
 
 FRAMES = 33  # 3 blocks: block 0 by the target, 2 decisions, 3 nodes, 4 leaves
@@ -29,6 +31,17 @@ def models():
 def built(models):
     builder = T.TreeBuilder(models, num_frames=FRAMES, weights_id="test")
     return {clip: builder.build(*clip, keep_frames=True) for clip in CLIPS}
+
+
+@pytest.fixture(scope="module")
+def other_reward(tmp_path_factory):
+    """A second toy reward file: the shipped one with every weight perturbed (its scores differ)."""
+    g = torch.Generator().manual_seed(0)
+    state = {k: (v.float() + 0.05 * torch.randn(v.shape, generator=g) * v.float().std()).to(v.dtype)
+             if v.is_floating_point() and v.numel() > 1 else v for k, v in load_file(str(WEIGHTS / FILES["reward"])).items()}
+    path = tmp_path_factory.mktemp("reward") / "reward.safetensors"
+    save_file(state, str(path))
+    return path
 
 
 def _midpoints(values):
@@ -197,3 +210,57 @@ def test_main_caches_shards_and_merges(tmp_path):
         T.main(common)
     with pytest.raises(SystemExit, match="--shard 2/2"):
         T.main(common + ["--shard", "2/2"])
+
+
+# ------------------------------------------------------------------------------ kept frames, rescoring
+def test_kept_frames_rescore_to_the_scores_of_a_build_with_that_reward(models, other_reward):
+    """The frames kept as uint8 give back the tree's scores bit for bit, and scored by another reward they give
+    what a whole new build with that reward scores (the reference path: nothing regenerated but nothing reused)."""
+    caption, seed = CLIPS[0]
+    builder = T.TreeBuilder(models, num_frames=FRAMES)
+    scored = ScoredFrames.empty(2)
+    tree = builder.build(caption, seed, scored=scored)
+    assert scored.block0.dtype == torch.uint8 and tuple(scored.block0.shape) == (9, 3, 32, 32)
+    assert [tuple(x.shape) for lv in scored.draft + scored.target for x in lv] == [(12, 3, 32, 32)] * 6
+    same = rescore(tree, scored, builder.pipe.router)
+    assert (same.block0, same.draft, same.target) == (tree.block0, tree.draft, tree.target)
+    router = RewardRouter(load_reward(other_reward))
+    other = rescore(tree, scored, router, reward_id="other")
+    builder.pipe.router = router
+    rebuilt = builder.build(caption, seed)
+    assert (other.block0, other.draft, other.target) == (rebuilt.block0, rebuilt.draft, rebuilt.target)
+    assert other.draft != tree.draft and other.leaves == tree.leaves and other.key["reward"] == "other"
+
+
+def test_node_values_by_hand():
+    tree = _synthetic(n=2)
+    q = tree.leaf_quality()  # leaf bits: bit 0 = block 1 accepted, bit 1 = block 2 accepted
+    expected = [(q[1] + q[3]) / 2 - (q[0] + q[2]) / 2,  # block 1
+                q[2] - q[0],  # block 2 after block 1 rejected
+                q[3] - q[1]]  # block 2 after block 1 accepted
+    np.testing.assert_allclose(node_values(tree), expected)
+
+
+def test_main_keeps_frames_and_rescores(tmp_path, other_reward):
+    cache, out = tmp_path / "cache", tmp_path / "report.json"
+    common = ["--clips", "2", "--skip", "1", "--frames", str(FRAMES), "--cache", str(cache), "--out", str(out),
+              "--resamples", "200", "--no-timing"]
+    plain = T.main(common + ["--keep-frames"])
+    assert [c["caption"] for c in plain["settings"]["clips"]] == demo.prompts_for(2)[1:]
+    assert len(list(cache.rglob("*.frames.pt"))) == 1
+    d = plain["reward_diagnostics"]
+    assert (d["nodes"], d["frames"]) == (3, 72) and -1 <= d["frame_corr"] <= 1 and plain["settings"]["reward"] is None
+    same = T.main(common + ["--reward", str(WEIGHTS / FILES["reward"])])  # the builder's own reward: same report
+    assert same["modes"] == plain["modes"] and same["reward_diagnostics"] == d
+    other = T.main(common + ["--reward", str(other_reward)])
+    assert other["settings"]["reward"]["file"] == str(other_reward) and other["modes"] != plain["modes"]
+    assert other["target_only"] == plain["target_only"]  # same trees: only the routing changes
+    # a tree cached without its frames is refused with the fix, never silently rebuilt
+    for f in cache.rglob("*.frames.pt"):
+        f.unlink()
+    with pytest.raises(ValueError, match="cached without the frames it scored.*delete it to rebuild it with --keep-frames"):
+        T.main(common + ["--reward", str(other_reward)])
+    with pytest.raises(SystemExit, match="no such file"):
+        T.main(common + ["--reward", str(tmp_path / "missing.safetensors")])
+    with pytest.raises(SystemExit, match="--skip 2: must be >= 0 and below --clips 2"):
+        T.main(["--clips", "2", "--skip", "2"])

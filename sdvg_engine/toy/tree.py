@@ -20,6 +20,10 @@ committed block's score). Random routing at acceptance ``p`` is scored as its ex
 with ``k(L)`` the accepted drafts on the path to ``L`` and ``n = B - 1`` the drafted blocks, per clip, then averaged
 over clips, with ``p`` the router's realized acceptance over all clips (accepted / drafted blocks). Confidence
 intervals resample clips (bootstrap, seeded). See docs/toy_tree.md for every number of the report.
+
+``--keep-frames`` also saves the frames every node scored (:mod:`.tree_frames`), so that ``--reward FILE`` can score
+the same trees with another reward model without generating anything, and the report compares the scores with the
+world's ground truth (``reward_diagnostics``).
 """
 
 from __future__ import annotations
@@ -39,12 +43,13 @@ import numpy as np
 import torch
 
 from ..context import GlobalCache
-from ..pipeline import TEXT_LEN, SDVGOptions, unit_frames, video_frames_to_latent_frames
+from ..pipeline import SDVGOptions, pad_text, unit_frames, video_frames_to_latent_frames
 from ..router import RewardRouter, TauState
 from ..sampling import SeededNoise
 from .demo import NUM_FRAMES, build_pipeline, prompts_for
-from .models import WEIGHTS, load_toy_models
+from .models import WEIGHTS, load_reward, load_toy_models
 from .text import embed_caption
+from .tree_frames import ScoredFrames, format_diagnostics, frames_path, rescore, reward_diagnostics
 from .world import SIZE, clip_metrics
 
 __all__ = [
@@ -137,16 +142,15 @@ class TreeBuilder:
         return {"weights": self.weights_id, "caption": caption, "seed": int(seed), "preset": self.preset,
                 "num_frames": self.num_frames, "crop": r.crop, "preprocess": r.preprocess, "version": TREE_VERSION}
 
-    def build(self, caption: str, seed: int, *, keep_frames: bool = False):
-        """The :class:`ClipTree` of ``(caption, seed)``; with ``keep_frames`` also ``{leaf: frames [T, H, W, 3]}``."""
+    def build(self, caption: str, seed: int, *, keep_frames: bool = False, scored: ScoredFrames | None = None):
+        """The :class:`ClipTree` of ``(caption, seed)``; with ``keep_frames`` also ``{leaf: frames [T, H, W, 3]}``.
+        ``scored``: an empty :class:`ScoredFrames` (``ScoredFrames.empty(B - 1)``), filled with every scored block."""
         began = time.perf_counter()
         pipe = self.pipe
         drafter, target, vae, router = pipe.drafter, pipe.target, pipe.vae, pipe.router
         gens = (drafter, target)
         B = self.num_blocks
-        embeds = embed_caption(caption)
-        if embeds.shape[1] < TEXT_LEN:  # as the pipeline pads
-            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, TEXT_LEN - embeds.shape[1]))
+        embeds = pad_text(embed_caption(caption))
         for gen in gens:
             gen.before_call = None
             gen.start(embeds, latent_height=SIZE // 8, latent_width=SIZE // 8, num_blocks=B)
@@ -157,6 +161,9 @@ class TreeBuilder:
         def score(pixels) -> list[float]:
             return _scores(router.score_frames(unit_frames(pixels), prompt).scores)
 
+        def keep(pixels):
+            return ScoredFrames.keep(unit_frames(pixels))
+
         def commit(b, latents, pixels):
             for gen in gens:
                 gen.commit_block(b, latents, pixels if gen.context.needs_pixels else None)
@@ -164,6 +171,8 @@ class TreeBuilder:
         first = target.generate_block(0, noise)
         pixels0 = vae.decode_block(first.latents)
         block0 = score(pixels0)
+        if scored is not None:
+            scored.block0 = keep(pixels0)
         commit(0, first.latents, pixels0)
         draft_scores = [[None] * 2 ** b for b in range(B - 1)]
         target_scores = [[None] * 2 ** b for b in range(B - 1)]
@@ -189,6 +198,8 @@ class TreeBuilder:
             vae_target = vae.snapshot()
             draft_scores[b - 1][history] = score(draft_pixels)
             target_scores[b - 1][history] = score(target_pixels)
+            if scored is not None:
+                scored.draft[b - 1][history], scored.target[b - 1][history] = keep(draft_pixels), keep(target_pixels)
             for accept, sample, pixels, vae_state in ((True, drafted, draft_pixels, vae_draft),
                                                        (False, regenerated, target_pixels, vae_target)):
                 if b + 1 < B:
@@ -449,6 +460,10 @@ def weights_hash(weights: Path) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def tree_path(cache: Path, key: dict) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "_", key["caption"].lower()).strip("_")
     folder = f"{key['preset']}_{key['num_frames']}f_{key['crop']}_{key['preprocess']}"
@@ -456,25 +471,36 @@ def tree_path(cache: Path, key: dict) -> Path:
 
 
 def load_or_build(builder: TreeBuilder, cache: Path | None, caption: str, seed: int, *, build: bool = True,
-                  log=print) -> ClipTree | None:
-    """The cached tree of ``(caption, seed)`` if its key matches, else a new one (saved atomically)."""
+                  frames: bool = False, log=print):
+    """The cached tree of ``(caption, seed)`` if its key matches, else a new one (saved atomically). With ``frames``:
+    ``(tree, ScoredFrames)``, the frames saved beside the tree (:func:`tree_frames.frames_path`); a tree cached
+    without them is an error (delete it to rebuild), never a silent rebuild."""
     key = builder.key(caption, seed)
     path = tree_path(cache, key) if cache is not None else None
     if path is not None and path.exists():
         tree = ClipTree.from_json(json.loads(path.read_text()), where=str(path))
         if tree.key != key:
             raise ValueError(f"{path}: made for {tree.key}, expected {key}; delete it to rebuild")
-        return tree
+        if not frames:
+            return tree
+        kept = frames_path(path)
+        if not kept.exists():
+            raise ValueError(f"{path}: cached without the frames it scored ({kept.name}); delete it to rebuild it "
+                             "with --keep-frames")
+        return tree, ScoredFrames.load(kept, tree.num_decisions)
     if not build:
         return None
-    tree = builder.build(caption, seed)
+    scored = ScoredFrames.empty(builder.num_blocks - 1) if frames else None
+    tree = builder.build(caption, seed, scored=scored)
     log(f"  tree {caption!r} seed {seed}: {tree.build_seconds:.1f} s")
     if path is not None:
+        if scored is not None:  # first, so that a tree on disk always has its frames
+            scored.save(frames_path(path))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(tree.to_json()))
         tmp.replace(path)
-    return tree
+    return (tree, scored) if frames else tree
 
 
 def measure_block_seconds(models, *, preset: str = "native", num_frames: int = NUM_FRAMES,
@@ -506,9 +532,10 @@ def measure_block_seconds(models, *, preset: str = "native", num_frames: int = N
             "threads": torch.get_num_threads()}
 
 
-def clip_list(clips: int, seeds: int = 1) -> list[tuple[str, int]]:
-    """``clips`` prompts (:func:`demo.prompts_for`: the showcase prompts first) x seeds ``0 .. seeds-1``."""
-    return [(p, s) for s in range(seeds) for p in prompts_for(clips)]
+def clip_list(clips: int, seeds: int = 1, skip: int = 0) -> list[tuple[str, int]]:
+    """``clips`` prompts (:func:`demo.prompts_for`: the showcase prompts first, then a fixed spread) less the first
+    ``skip`` of them, x seeds ``0 .. seeds-1``."""
+    return [(p, s) for s in range(seeds) for p in prompts_for(clips)[skip:]]
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -576,36 +603,68 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--bootstrap-seed", type=int, default=BOOTSTRAP_SEED)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--no-timing", action="store_true", help="skip measuring per-block seconds (no speedups)")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="leave out the first N prompts: --clips 48 --skip 32 is 16 scenes the default 32 never use "
+                         "(to choose settings or models without fitting them to the evaluation clips)")
+    ap.add_argument("--keep-frames", action="store_true",
+                    help="also save the frames every node scored (uint8, ~5 MB per 81-frame clip) beside each tree, "
+                         "and compare the scores with the ground truth in the report (reward_diagnostics)")
+    ap.add_argument("--reward", default=None,
+                    help="score the trees' kept frames with this reward file (a toy reward.safetensors) instead of "
+                         "the one they were built with; needs trees built with --keep-frames")
     args = ap.parse_args(argv)
     shard = _parse_shard(args.shard)
     if args.clips < 1 or args.seeds < 1:
         raise SystemExit("--clips and --seeds must be >= 1")
+    if not 0 <= args.skip < args.clips:
+        raise SystemExit(f"--skip {args.skip}: must be >= 0 and below --clips {args.clips}")
+    keep = args.keep_frames or args.reward is not None
+    if args.reward is not None and shard is not None:
+        raise SystemExit("--reward rescores the cached trees in the analysis: build them first (--shard ... "
+                         "--keep-frames), then run --reward without --shard")
+    reward = None
+    if args.reward is not None:
+        reward = Path(args.reward)
+        if not reward.is_file():
+            raise SystemExit(f"--reward {reward}: no such file (a toy reward.safetensors, e.g. from "
+                             "scripts/train_toy.py reward --weights-dir DIR)")
     torch.set_num_threads(args.threads)
     weights = Path(args.weights)
     models = load_toy_models(weights=weights)  # checks every file against MANIFEST.json
     builder = TreeBuilder(models, preset=args.preset, num_frames=args.frames, weights_id=weights_hash(weights))
-    clips = clip_list(args.clips, args.seeds)
+    clips = clip_list(args.clips, args.seeds, args.skip)
     mine = [c for j, c in enumerate(clips) if shard is None or j % shard[1] == shard[0]]
     print(f"toy tree: {len(mine)} of {len(clips)} clips, {builder.num_blocks} blocks ({2 ** (builder.num_blocks - 1) - 1} "
-          f"nodes), preset {args.preset}, weights {weights} ({builder.weights_id}), cache {args.cache}")
+          f"nodes), preset {args.preset}, weights {weights} ({builder.weights_id}), cache {args.cache}"
+          + (f", scored by {reward}" if reward is not None else ""))
     began = time.perf_counter()
-    trees = [load_or_build(builder, Path(args.cache), caption, seed) for caption, seed in mine]
+    trees = [load_or_build(builder, Path(args.cache), caption, seed, frames=keep) for caption, seed in mine]
+    trees, kept = (list(x) for x in zip(*trees)) if keep else (trees, None)
     built = [t.build_seconds for t in trees]
     if shard is not None:
         print(f"shard {args.shard}: {len(trees)} trees in {args.cache} ({time.perf_counter() - began:.0f} s); "
               "run again without --shard to analyse all of them")
         return None
+    if reward is not None:
+        router = builder.pipe.router
+        router = RewardRouter(load_reward(reward), crop=router.crop, preprocess=router.preprocess)
+        trees = [rescore(t, f, router, reward_id=_file_hash(reward)) for t, f in zip(trees, kept)]
     block_seconds = None if args.no_timing else measure_block_seconds(models, preset=args.preset, num_frames=args.frames)
     report = analyse(trees, block_seconds=block_seconds, resamples=args.resamples, seed=args.bootstrap_seed)
     report["settings"] = {"weights": str(weights), "weights_hash": builder.weights_id, "preset": args.preset,
                           "num_frames": args.frames, "clips": [{"caption": c, "seed": s} for c, s in clips],
-                          "crop": builder.pipe.router.crop, "preprocess": builder.pipe.router.preprocess}
+                          "crop": builder.pipe.router.crop, "preprocess": builder.pipe.router.preprocess,
+                          "reward": None if reward is None else {"file": str(reward), "sha256": _file_hash(reward)}}
+    if kept is not None:
+        report["reward_diagnostics"] = reward_diagnostics(trees, kept)
     report["tree_build_seconds"] = {"mean_per_clip": float(np.mean(built)), "max_per_clip": float(np.max(built)),
                                     "threads": torch.get_num_threads()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(format_report(report))
+    if kept is not None:
+        print(format_diagnostics(report["reward_diagnostics"]))
     print(f"trees built in {np.mean(built):.1f} s per clip (mean, {torch.get_num_threads()} thread(s)); report {out}")
     return report
 
