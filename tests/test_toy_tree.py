@@ -264,3 +264,24 @@ def test_main_keeps_frames_and_rescores(tmp_path, other_reward):
         T.main(common + ["--reward", str(tmp_path / "missing.safetensors")])
     with pytest.raises(SystemExit, match="--skip 2: must be >= 0 and below --clips 2"):
         T.main(["--clips", "2", "--skip", "2"])
+
+
+def test_main_judges_a_tau_chosen_on_other_clips(tmp_path, models):
+    """--tau-from: the best fixed tau of a run on other clips, walked on this run's trees."""
+    cache = tmp_path / "cache"
+    common = ["--frames", str(FRAMES), "--cache", str(cache), "--resamples", "200", "--no-timing"]
+    chosen = T.main(common + ["--clips", "2", "--skip", "1", "--out", str(tmp_path / "a.json")])
+    tau = chosen["best_fixed_tau"]["tau"]
+    here = T.main(common + ["--clips", "1", "--out", str(tmp_path / "b.json"), "--tau-from", str(tmp_path / "a.json")])
+    carried = here["tau_from"]
+    assert carried["setting"] == tau and carried["chosen_there"] == {**chosen["best_fixed_tau"], "tau": float(tau)}
+    builder = T.TreeBuilder(models, num_frames=FRAMES, weights_id=T.weights_hash(WEIGHTS))
+    trees = [T.load_or_build(builder, cache, c, s, build=False) for c, s in T.clip_list(1)]
+    walks = [T.walk(t, T.tree_router("fixed", float(tau))) for t in trees]
+    assert carried["quality"] == np.mean([t.leaves[w.leaf]["quality"] for t, w in zip(trees, walks)])
+    assert carried["acceptance"] == sum(w.accepted for w in walks) / (2 * len(trees))
+    with pytest.raises(SystemExit, match="no such file"):
+        T.main(common + ["--clips", "1", "--tau-from", str(tmp_path / "missing.json")])
+    (tmp_path / "none.json").write_text(json.dumps({"best_fixed_tau": None}))
+    with pytest.raises(SystemExit, match="no tau to carry over"):
+        T.main(common + ["--clips", "1", "--tau-from", str(tmp_path / "none.json")])

@@ -442,6 +442,22 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
     return report
 
 
+def best_fixed_from(path: Path) -> dict:
+    """``best_fixed_tau`` of another run's report (its ``--out``): the tau to try on this run's clips, so that tau is
+    chosen on one set of clips and judged on another (``--tau-from``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"--tau-from {path}: no such file (a report written by this tool's --out)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"--tau-from {path}: not a JSON report ({exc})") from None
+    best = data.get("best_fixed_tau") if isinstance(data, dict) else None
+    if not isinstance(best, dict) or "tau" not in best:
+        raise SystemExit(f"--tau-from {path}: the report has no fixed tau within {QUALITY_SHARE:.0%} of target-only "
+                         "quality (best_fixed_tau is null or missing); there is no tau to carry over")
+    return {**best, "tau": float(best["tau"])}  # "inf" / "-inf" are stored as strings
+
+
 def _best_fixed(report: dict) -> dict | None:
     """The fixed tau with the highest acceptance (then speedup) whose quality is >= 98% of target-only."""
     target = report["target_only"]["quality"]
@@ -576,6 +592,15 @@ def format_report(report: dict) -> str:
         lines.append(f"{mode}: router - random averaged over acceptance {lo}-{hi}: " + (
             "no setting in the band" if avg is None else
             f"{avg['router_minus_random']:+.3f} {_fmt_ci(avg['ci'])} over {avg['settings']} settings"))
+    carried = report.get("tau_from")
+    if carried:
+        there = carried["chosen_there"]
+        speed = f", speedup {carried['speedup']:.2f}x (cost model)" if carried["speedup"] else ""
+        lines.append(f"fixed tau={carried['setting']} from {carried['file']} (chosen there: acceptance "
+                     f"{there['acceptance']:.2f}, {100 * there['quality_ratio_to_target']:.1f}% of target-only): here "
+                     f"acceptance {carried['acceptance']:.2f}, quality {carried['quality']:.3f} "
+                     f"({100 * carried['quality_ratio_to_target']:.1f}%), router - random "
+                     f"{carried['router_minus_random']:+.3f} {_fmt_ci(carried['router_minus_random_ci'])}{speed}")
     best = report["best_fixed_tau"]
     lines.append("best fixed tau with >= 98% of target-only quality: " + ("none" if best is None else
                  f"tau={best['tau']} acceptance {best['acceptance']:.2f}, "
@@ -612,6 +637,9 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--reward", default=None,
                     help="score the trees' kept frames with this reward file (a toy reward.safetensors) instead of "
                          "the one they were built with; needs trees built with --keep-frames")
+    ap.add_argument("--tau-from", default=None,
+                    help="also judge, on these clips, the best fixed tau of another run's report (e.g. one on "
+                         "--clips 48 --skip 32): tau chosen on one set of clips, measured on another")
     args = ap.parse_args(argv)
     shard = _parse_shard(args.shard)
     if args.clips < 1 or args.seeds < 1:
@@ -619,6 +647,7 @@ def main(argv=None) -> dict | None:
     if not 0 <= args.skip < args.clips:
         raise SystemExit(f"--skip {args.skip}: must be >= 0 and below --clips {args.clips}")
     keep = args.keep_frames or args.reward is not None
+    carried = best_fixed_from(Path(args.tau_from)) if args.tau_from is not None else None
     if args.reward is not None and shard is not None:
         raise SystemExit("--reward rescores the cached trees in the analysis: build them first (--shard ... "
                          "--keep-frames), then run --reward without --shard")
@@ -655,6 +684,10 @@ def main(argv=None) -> dict | None:
                           "num_frames": args.frames, "clips": [{"caption": c, "seed": s} for c, s in clips],
                           "crop": builder.pipe.router.crop, "preprocess": builder.pipe.router.preprocess,
                           "reward": None if reward is None else {"file": str(reward), "sha256": _file_hash(reward)}}
+    if carried is not None:
+        row = analyse(trees, grids={"fixed": [carried["tau"]]}, block_seconds=block_seconds, resamples=args.resamples,
+                      seed=args.bootstrap_seed)["modes"]["fixed"][0]
+        report["tau_from"] = {"file": str(args.tau_from), "chosen_there": carried, **row}
     if kept is not None:
         report["reward_diagnostics"] = reward_diagnostics(trees, kept)
     report["tree_build_seconds"] = {"mean_per_clip": float(np.mean(built)), "max_per_clip": float(np.max(built)),
