@@ -47,9 +47,9 @@ from ..pipeline import SDVGOptions, pad_text, unit_frames, video_frames_to_laten
 from ..router import RewardRouter, TauState
 from ..sampling import SeededNoise
 from .demo import NUM_FRAMES, build_pipeline, prompts_for
-from .models import WEIGHTS, load_reward, load_toy_models
+from .models import WEIGHTS, load_reward, load_toy_models, sha256
 from .text import embed_caption
-from .tree_frames import ScoredFrames, format_diagnostics, frames_path, rescore, reward_diagnostics
+from .tree_frames import ScoredFrames, block_scores, format_diagnostics, frames_path, rescore, reward_diagnostics
 from .world import SIZE, clip_metrics
 
 __all__ = [
@@ -118,10 +118,6 @@ class ClipTree:
         return tree
 
 
-def _scores(x: torch.Tensor) -> list[float]:
-    return [float(v) for v in x.float().reshape(-1).tolist()]
-
-
 class TreeBuilder:
     """Generates whole decision trees with the toy pipeline's own models, schedule, contexts, VAE and scorer.
 
@@ -158,11 +154,8 @@ class TreeBuilder:
         noise = SeededNoise(seed)
         prompt = router.scorer.encode_prompt(caption)
 
-        def score(pixels) -> list[float]:
-            return _scores(router.score_frames(unit_frames(pixels), prompt).scores)
-
-        def keep(pixels):
-            return ScoredFrames.keep(unit_frames(pixels))
+        def score(frames) -> list[float]:
+            return block_scores(router, frames, prompt)
 
         def commit(b, latents, pixels):
             for gen in gens:
@@ -170,18 +163,19 @@ class TreeBuilder:
 
         first = target.generate_block(0, noise)
         pixels0 = vae.decode_block(first.latents)
-        block0 = score(pixels0)
+        frames0 = unit_frames(pixels0)
+        block0 = score(frames0)
         if scored is not None:
-            scored.block0 = keep(pixels0)
+            scored.block0 = ScoredFrames.keep(frames0)
         commit(0, first.latents, pixels0)
         draft_scores = [[None] * 2 ** b for b in range(B - 1)]
         target_scores = [[None] * 2 ** b for b in range(B - 1)]
         leaf_frames: dict[int, torch.Tensor] = {}
         leaves: list[dict | None] = [None] * 2 ** (B - 1)
 
-        def visit(b: int, history: int, frames: list[torch.Tensor]) -> None:
+        def visit(b: int, history: int, clip_frames: list[torch.Tensor]) -> None:
             if b == B:
-                clip = torch.cat(frames)
+                clip = torch.cat(clip_frames)
                 metrics = clip_metrics(clip.numpy(), caption)
                 leaves[history] = {k: metrics[k] for k in ("quality", "adherence", "temporal")}
                 if keep_frames:
@@ -196,21 +190,22 @@ class TreeBuilder:
             vae.restore(vae_before)
             target_pixels = vae.decode_block(regenerated.latents)
             vae_target = vae.snapshot()
-            draft_scores[b - 1][history] = score(draft_pixels)
-            target_scores[b - 1][history] = score(target_pixels)
+            draft_frames, target_frames = unit_frames(draft_pixels), unit_frames(target_pixels)
+            draft_scores[b - 1][history] = score(draft_frames)
+            target_scores[b - 1][history] = score(target_frames)
             if scored is not None:
-                scored.draft[b - 1][history], scored.target[b - 1][history] = keep(draft_pixels), keep(target_pixels)
-            for accept, sample, pixels, vae_state in ((True, drafted, draft_pixels, vae_draft),
-                                                       (False, regenerated, target_pixels, vae_target)):
+                scored.draft[b - 1][history] = ScoredFrames.keep(draft_frames)
+                scored.target[b - 1][history] = ScoredFrames.keep(target_frames)
+            for accept, sample, pixels, frames, vae_state in ((True, drafted, draft_pixels, draft_frames, vae_draft),
+                                                               (False, regenerated, target_pixels, target_frames, vae_target)):
                 if b + 1 < B:
                     for gen, snapshot in zip(gens, contexts):
                         _rewind(gen, snapshot)
                     vae.restore(vae_state)
                     commit(b, sample.latents, pixels)
-                block_frames = unit_frames(pixels).permute(0, 2, 3, 1).cpu()
-                visit(b + 1, history | (int(accept) << (b - 1)), frames + [block_frames])
+                visit(b + 1, history | (int(accept) << (b - 1)), clip_frames + [frames.permute(0, 2, 3, 1).cpu()])
 
-        visit(1, 0, [unit_frames(pixels0).permute(0, 2, 3, 1).cpu()])
+        visit(1, 0, [frames0.permute(0, 2, 3, 1).cpu()])
         result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=self.num_frames, width=SIZE,
                                height=SIZE, seed=seed, options=SDVGOptions(mode="draft_only"))
         draft_only = {k: v for k, v in clip_metrics(result.frames.numpy(), caption).items() if k != "per_frame"}
@@ -476,10 +471,6 @@ def weights_hash(weights: Path) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _file_hash(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def tree_path(cache: Path, key: dict) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "_", key["caption"].lower()).strip("_")
     folder = f"{key['preset']}_{key['num_frames']}f_{key['crop']}_{key['preprocess']}"
@@ -677,13 +668,14 @@ def main(argv=None) -> dict | None:
     if reward is not None:
         router = builder.pipe.router
         router = RewardRouter(load_reward(reward), crop=router.crop, preprocess=router.preprocess)
-        trees = [rescore(t, f, router, reward_id=_file_hash(reward)) for t, f in zip(trees, kept)]
+        reward_sha = sha256(reward)
+        trees = [rescore(t, f, router, reward_id=reward_sha) for t, f in zip(trees, kept)]
     block_seconds = None if args.no_timing else measure_block_seconds(models, preset=args.preset, num_frames=args.frames)
     report = analyse(trees, block_seconds=block_seconds, resamples=args.resamples, seed=args.bootstrap_seed)
     report["settings"] = {"weights": str(weights), "weights_hash": builder.weights_id, "preset": args.preset,
                           "num_frames": args.frames, "clips": [{"caption": c, "seed": s} for c, s in clips],
                           "crop": builder.pipe.router.crop, "preprocess": builder.pipe.router.preprocess,
-                          "reward": None if reward is None else {"file": str(reward), "sha256": _file_hash(reward)}}
+                          "reward": None if reward is None else {"file": str(reward), "sha256": reward_sha}}
     if carried is not None:
         row = analyse(trees, grids={"fixed": [carried["tau"]]}, block_seconds=block_seconds, resamples=args.resamples,
                       seed=args.bootstrap_seed)["modes"]["fixed"][0]

@@ -69,14 +69,15 @@ def frames_path(tree_path: Path) -> Path:
     return Path(tree_path).with_suffix(FRAMES_SUFFIX)
 
 
-def _scores(router, frames: torch.Tensor, prompt) -> list[float]:
+def block_scores(router, frames: torch.Tensor, prompt) -> list[float]:
+    """Per-frame scores of one block's frames ``[T, 3, H, W]`` (0..1 or uint8) by ``router``, as plain floats."""
     return [float(v) for v in router.score_frames(frames, prompt).scores.float().reshape(-1).tolist()]
 
 
 def rescore(tree, frames: ScoredFrames, router, reward_id: str = ""):
     """``tree`` with every score recomputed by ``router`` (its scorer, crop and preprocessing) from ``frames``."""
     prompt = router.scorer.encode_prompt(tree.caption)
-    score = lambda x: _scores(router, x, prompt)  # noqa: E731
+    score = lambda x: block_scores(router, x, prompt)  # noqa: E731
     return dataclasses.replace(
         tree, block0=score(frames.block0),
         draft=[[score(x) for x in level] for level in frames.draft],
