@@ -20,8 +20,9 @@ except ImportError:  # a plain clone in custom_nodes/ (ComfyUI-Manager installs 
 # Only ComfyUI (which has imported `comfy` before loading custom nodes) gets the nodes; other importers of
 # this file, such as pytest collecting the repository as a package, get nothing and need no ComfyUI.
 if "comfy" in sys.modules:
-    if importlib.util.find_spec("comfy_api.latest") is None:
-        raise ImportError("SDVG needs ComfyUI 0.3.64 or newer (the V3 node API, comfy_api.latest); please update ComfyUI")
+    if importlib.util.find_spec("comfy_api") is None or all(
+            importlib.util.find_spec(f"comfy_api.{v}") is None for v in ("v0_0_3", "v0_0_2", "latest")):
+        raise ImportError("SDVG needs ComfyUI 0.3.64 or newer (the V3 node API, comfy_api); please update ComfyUI")
     from .nodes.comfy_nodes import comfy_entrypoint  # noqa: E402
 
     __all__ = ["comfy_entrypoint"]

@@ -12,7 +12,14 @@ import comfy.model_management as model_management
 import comfy.model_patcher
 import comfy.utils
 import folder_paths
-from comfy_api.latest import ComfyExtension, io, ui
+
+try:  # a pinned API version where this ComfyUI has one (its io/ui stay stable), else the moving "latest"
+    from comfy_api.v0_0_3 import ComfyExtension, io, ui
+except ImportError:
+    try:
+        from comfy_api.v0_0_2 import ComfyExtension, io, ui
+    except ImportError:
+        from comfy_api.latest import ComfyExtension, io, ui
 
 from . import logic, schema
 
@@ -57,6 +64,16 @@ class ComfyServices(logic.Services):
 
     def check_interrupt(self):
         model_management.throw_exception_if_processing_interrupted()
+
+    def activity(self, text):
+        # ComfyUI >= 0.3.7x labels a running node ("drafting block 3/7"); 0.3.64 has no such call.
+        try:
+            from comfy_execution.progress import get_progress_state
+        except ImportError:
+            return
+        registry = get_progress_state()
+        if self.node_id is not None and hasattr(registry, "set_activity"):
+            registry.set_activity(self.node_id, text)
 
     def progress(self, value, total, preview=None):
         if self._bar is None:
@@ -115,15 +132,20 @@ def build_schema(spec: schema.NodeSpec, hidden=None) -> io.Schema:
 
 
 # ------------------------------------------------------------------------------------------------------------ nodes
+def _output(result: logic.NodeResult) -> io.NodeOutput:
+    if result.ui_text is None:
+        return io.NodeOutput(*result.outputs)
+    return io.NodeOutput(*result.outputs, ui=ui.PreviewText(result.ui_text))
+
+
 class SDVGLoadDrafter(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return build_schema(schema.LOAD_DRAFTER)
 
     @classmethod
-    def execute(cls, ckpt_name, dtype, device, context_scheme, offload="none", kv_dtype="auto") -> io.NodeOutput:
-        return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="drafter",
-                                                   services=ComfyServices(), offload=offload, kv_dtype=kv_dtype))
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGLoadDrafter", ComfyServices(), **inputs))
 
 
 class SDVGLoadTarget(io.ComfyNode):
@@ -132,9 +154,8 @@ class SDVGLoadTarget(io.ComfyNode):
         return build_schema(schema.LOAD_TARGET)
 
     @classmethod
-    def execute(cls, ckpt_name, dtype, device, context_scheme, offload="none", kv_dtype="auto") -> io.NodeOutput:
-        return io.NodeOutput(logic.load_model_node(ckpt_name, dtype, device, context_scheme, role="target",
-                                                   services=ComfyServices(), offload=offload, kv_dtype=kv_dtype))
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGLoadTarget", ComfyServices(), **inputs))
 
 
 class SDVGRewardRouter(io.ComfyNode):
@@ -143,11 +164,8 @@ class SDVGRewardRouter(io.ComfyNode):
         return build_schema(schema.REWARD_ROUTER)
 
     @classmethod
-    def execute(cls, reward_model, tau, aggregation, crop, temporal_weight, tau_mode="fixed", accept_rate=0.73,
-                preprocess="pil") -> io.NodeOutput:
-        return io.NodeOutput(logic.build_router(reward_model, tau, aggregation, crop, temporal_weight,
-                                                services=ComfyServices(), tau_mode=tau_mode, accept_rate=accept_rate,
-                                                preprocess=preprocess))
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGRewardRouter", ComfyServices(), **inputs))
 
 
 class SDVGSpeculativeSampler(io.ComfyNode):
@@ -166,18 +184,9 @@ class SDVGSpeculativeSampler(io.ComfyNode):
         return logic.geometry_problem(None, None, length) or True
 
     @classmethod
-    def execute(cls, positive, vae, reward_prompt, width, height, length, seed, mode, force_first_block,
-                drafter=None, target=None, router=None, refine_from_step=0, cascade=False,
-                random_accept_prob=0.73, preset="reference", workers="auto", replay=True) -> io.NodeOutput:
-        out = logic.run_sampler(
-            drafter=drafter, target=target, router=router, positive=positive, vae=vae, reward_prompt=reward_prompt,
-            width=width, height=height, length=length, seed=seed, mode=mode, force_first_block=force_first_block,
-            refine_from_step=refine_from_step, cascade=cascade, random_accept_prob=random_accept_prob,
-            preset=preset, workers=workers, replay=replay,
-            services=ComfyServices(cls.hidden.unique_id if cls.hidden is not None else None),
-        )
-        return io.NodeOutput(out.frames, out.mask, out.latent, out.fps, out.report, out.plot,
-                             ui=ui.PreviewText(logic.sampler_summary(out.report)))
+    def execute(cls, **inputs) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        return _output(logic.run_node("SDVGSpeculativeSampler", ComfyServices(node_id), **inputs))
 
 
 class SDVGLoadPromptEmbeddings(io.ComfyNode):
@@ -186,9 +195,8 @@ class SDVGLoadPromptEmbeddings(io.ComfyNode):
         return build_schema(schema.LOAD_PROMPT_EMBEDDINGS)
 
     @classmethod
-    def execute(cls, embeddings_file, index) -> io.NodeOutput:
-        conditioning, prompt = logic.load_embeddings_node(embeddings_file, index, services=ComfyServices())
-        return io.NodeOutput(conditioning, prompt)
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGLoadPromptEmbeddings", ComfyServices(), **inputs))
 
 
 NODE_CLASSES = [SDVGLoadDrafter, SDVGLoadTarget, SDVGRewardRouter, SDVGSpeculativeSampler, SDVGLoadPromptEmbeddings]

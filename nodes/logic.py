@@ -100,6 +100,9 @@ class Services:
     def progress(self, value: int, total: int, preview=None) -> None:
         """Report ``value`` of ``total`` blocks done, with a PIL preview of the newest frame."""
 
+    def activity(self, text: str) -> None:
+        """Say what the running node is doing now ("drafting block 2/7"); may be called from worker threads."""
+
     # model files
     def list_files(self, folders: Iterable[str]) -> list[str]:
         names: list[str] = []
@@ -551,13 +554,15 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     total = video_frames_to_latent_frames(int(length), pipe.target.frames_per_block) // pipe.target.frames_per_block
     services.progress(0, total, None)
 
+    activity = _Activity(services, total, mode)
+
     def on_block(record) -> None:
+        activity.done = record.index + 1
         preview = frame_to_pil(record.frames[-1]) if record.frames is not None and len(record.frames) else None
         services.progress(record.index + 1, total, preview)
 
     result = pipe.generate(context, prompt=prompt, num_frames=int(length), width=int(width), height=int(height),
-                           seed=int(seed), options=options, before_call=lambda *_: services.check_interrupt(),
-                           on_block=on_block)
+                           seed=int(seed), options=options, before_call=activity.before_call, on_block=on_block)
 
     out_device = services.intermediate_device()
     frames = result.frames.float()
@@ -575,6 +580,81 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
         fps=FPS, report=json.dumps(_json_safe(report), indent=2, allow_nan=False), plot=plot.to(out_device),
         result=result,
     )
+
+
+class _Activity:
+    """The sampler's ``before_call``: checks the host's interrupt before every model call, then labels the node with
+    what runs now ("drafting block 2/7", "verifying ...", "target regenerating ..."), sending only changes."""
+
+    _PHASES = {"drafter": "drafting", "vae": "decoding", "reward": "verifying", "replay": "replaying"}
+
+    def __init__(self, services: Services, total: int, mode: str):
+        self.services, self.total, self.mode = services, total, mode
+        self.done = 0  # blocks final so far (set by on_block)
+        self._last = None
+        self._lock = threading.Lock()
+
+    def before_call(self, component: str, kind: str) -> None:
+        self.services.check_interrupt()  # first: a cancel must raise whatever the label
+        if component == "target":
+            first = self.done == 0 or self.mode == "target_only"
+            phase = "target context" if kind in ("commit", "recompute") else \
+                "target generating" if first else "target regenerating"
+        else:
+            phase = self._PHASES.get(component, component)
+        text = f"{phase} block {min(self.done + 1, self.total)}/{self.total}"
+        with self._lock:
+            if text == self._last:
+                return
+            self._last = text
+        self.services.activity(text)
+
+
+# ============================================================================================================ nodes
+@dataclass
+class NodeResult:
+    """What a node's ``execute`` returns: its outputs in schema order, and the text its UI shows (or ``None``)."""
+
+    outputs: tuple
+    ui_text: str | None = None
+
+
+def _sampler_node(services: Services, **inputs) -> NodeResult:
+    out = run_sampler(services=services, **inputs)
+    return NodeResult((out.frames, out.mask, out.latent, out.fps, out.report, out.plot), sampler_summary(out.report))
+
+
+def _embeddings_node(services: Services, **inputs) -> NodeResult:
+    return NodeResult(load_embeddings_node(services=services, **inputs))
+
+
+_NODE_FUNCTIONS = {
+    "SDVGLoadDrafter": lambda services, **kw: NodeResult((load_model_node(role="drafter", services=services, **kw),)),
+    "SDVGLoadTarget": lambda services, **kw: NodeResult((load_model_node(role="target", services=services, **kw),)),
+    "SDVGRewardRouter": lambda services, **kw: NodeResult((build_router(services=services, **kw),)),
+    "SDVGSpeculativeSampler": _sampler_node,
+    "SDVGLoadPromptEmbeddings": _embeddings_node,
+}
+
+
+def run_node(node_id: str, services: Services, **inputs) -> NodeResult:
+    """The body of every SDVG node's ``execute``: node ``node_id`` run on ``inputs`` (input name -> value).
+
+    Optional inputs a workflow saved before they existed are absent; they take the schema's default here, so the
+    V3 classes, the tests' executor and scripts all run one code path with one set of defaults."""
+    spec = schema.BY_ID.get(node_id)
+    if spec is None:
+        raise ValueError(f"unknown SDVG node {node_id!r}; known: {sorted(schema.BY_ID)}")
+    names = {i.name for i in spec.inputs}
+    unknown = sorted(set(inputs) - names)
+    if unknown:
+        raise TypeError(f"{node_id} has no input(s) {unknown}; its inputs are {[i.name for i in spec.inputs]}")
+    values = {i.name: i.default for i in spec.inputs if i.optional or i.lazy}
+    values.update(inputs)
+    missing = [i.name for i in spec.inputs if i.name not in values]
+    if missing:
+        raise TypeError(f"{node_id} is missing the required input(s) {missing}")
+    return _NODE_FUNCTIONS[node_id](services, **values)
 
 
 # =========================================================================================================== replay
@@ -704,9 +784,9 @@ def sampler_summary(report_json: str) -> str:
 
 
 __all__ = [
-    "FPS", "SDVGModel", "SDVGRouter", "SamplerOutput", "Services", "build_router", "clear_reward_cache",
+    "FPS", "NodeResult", "SDVGModel", "SDVGRouter", "SamplerOutput", "Services", "build_router", "clear_reward_cache",
     "combo_options", "context_from_conditioning", "geometry_problem", "load_embeddings_node", "load_model_node",
-    "load_prompt_embedding", "load_reward_scorer",
+    "load_prompt_embedding", "load_reward_scorer", "run_node",
     "check_model_name", "load_sdvg_model", "needed_inputs", "resolve_devices", "run_sampler",
     "sampler_summary", "score_plot", "streaming_vae",
 ]

@@ -460,6 +460,7 @@ class SpeculativePipeline:
         run.previous_features = last.previous_features_after
         run.reference = last.reference_after
         for block, decision in zip(blocks, plan.decisions):
+            run.check_cancel("replay", "block")  # a sweep whose rest is replay still stops on a cancel
             record = self._append_block(run, block.index, block.source, block.drafted, decision, block.latents,
                                         block.pixels, replayed=True)
             if run.tau_state is not None and block.drafted and decision is not None:
@@ -671,12 +672,35 @@ class _Decoded(NamedTuple):
 
 
 def _model_identity(gen: CausalGenerator) -> tuple:
-    """Which weights, schedule and context a generator runs (in-place weight changes bump ``_version``)."""
-    params = list(gen.model.parameters())
-    weights = tuple((p.data_ptr(), p._version, str(p.dtype)) for p in (params[0], params[-1])) if params else ()
+    """Which weights, schedule and context a generator runs.
+
+    The weights are identified by content (:func:`_weights_fingerprint`), not by storage: ComfyUI loads models under
+    ``torch.inference_mode()`` (inference tensors have no version counter) and moves them between devices between
+    queues (new storage, same weights)."""
+    weights = _weights_fingerprint(gen.model)
     context = tuple(sorted((k, str(v)) for k, v in vars(gen.context).items() if isinstance(v, (int, float, str, type(None)))
                            and k in ("max_frames", "context_frames", "attention_bias")))
     return (id(gen.model), weights, gen.schedule.timesteps, gen.context.name, context, gen.frames_per_block)
+
+
+def _weights_fingerprint(model: torch.nn.Module, samples: int = 512) -> tuple:
+    """Shape, dtype and a hash of ``samples`` evenly strided values of the first, middle and last parameter: the same
+    for the same weights on any device (and under inference mode), different after a reload of other weights or an
+    in-place change of those tensors. Costs three small device-to-host copies."""
+    params = list(model.parameters())
+    if not params:
+        return ()
+    picked = {0: params[0], len(params) // 2: params[len(params) // 2], len(params) - 1: params[-1]}
+    out = []
+    for i, p in sorted(picked.items()):
+        flat = p.data.reshape(-1)  # .data: no version counter involved, whatever mode made the tensor
+        if flat.is_meta:
+            digest = "meta"
+        else:
+            values = flat[:: max(1, flat.numel() // samples)][:samples].float().cpu()
+            digest = hashlib.sha1(values.numpy().tobytes()).hexdigest()
+        out.append((i, tuple(p.shape), str(p.dtype), digest))
+    return tuple(out)
 
 
 def _json_number(x: float):

@@ -265,7 +265,8 @@ def _check_tau(tau, name: str = "tau") -> float:
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number (±inf allowed), got {tau!r}") from None
     if math.isnan(tau):
-        raise ValueError(f"{name} must not be NaN (use -inf to accept all, +inf to reject all)")
+        raise ValueError(f"{name} must not be NaN (Python and CLI: -inf keeps every draft, +inf rejects every draft; ComfyUI refuses "
+                         "infinities, so there set the sampler's mode to first_block_only or target_only instead)")
     return tau
 
 

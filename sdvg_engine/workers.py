@@ -50,8 +50,13 @@ class _Task:
 class _Lane:
     """One worker: runs its tasks in submission order, in its own thread (or lazily in the caller's)."""
 
-    def __init__(self, name: str, *, threaded: bool, on_error: Callable[[BaseException], None]):
+    def __init__(self, name: str, *, threaded: bool, on_error: Callable[[BaseException], None],
+                 autograd_modes: tuple[bool, bool] = (False, True)):
         self.name = name
+        # (inference mode, grad mode) of the thread that made the run: both are thread-local in torch, and a lane
+        # thread must run as its caller does (ComfyUI runs every prompt under torch.inference_mode(); a KV cache
+        # made there cannot be written in place from a thread outside it).
+        self._autograd_modes = autograd_modes
         self.threaded = threaded
         self.busy_seconds = 0.0
         self._queue: deque[_Task] = deque()
@@ -82,6 +87,11 @@ class _Lane:
 
     # --- threaded lanes
     def _serve(self) -> None:
+        inference, grad = self._autograd_modes
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            self._serve_tasks()
+
+    def _serve_tasks(self) -> None:
         while True:
             with self._ready:
                 while not self._queue and not self._closing:
@@ -106,6 +116,7 @@ class _Lane:
             self._queue.popleft().future.cancel()
 
     def close(self) -> None:
+        """Stop serving once the queue is empty and join the thread (idempotent)."""
         if self._thread is not None:
             with self._ready:
                 self._closing = True
@@ -148,15 +159,17 @@ class Workers:
         self.parallel = len(names) > 1
         self.failed = threading.Event()  # any task failed: the other lanes stop at their next model call
         self.first_error: BaseException | None = None
-        self._lanes = {n: _Lane(n, threaded=self.parallel, on_error=self._fail) for n in names}
+        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        self._lanes = {n: _Lane(n, threaded=self.parallel, on_error=self._fail, autograd_modes=modes) for n in names}
         self.dropped_seconds = 0.0
         self.speculations = 0
         self.dropped = 0
         self._lock = threading.Lock()
 
     def _fail(self, err: BaseException) -> None:
-        if self.first_error is None:
-            self.first_error = err
+        with self._lock:
+            if self.first_error is None:
+                self.first_error = err
         self.failed.set()
 
     @property
@@ -201,7 +214,14 @@ class Workers:
                 if spec.dropped.is_set():
                     raise SpeculationDropped()
                 if hook is not None:
-                    hook(name, kind)
+                    try:
+                        hook(name, kind)
+                    except BaseException as err:
+                        # The caller's hook said stop (a cancel, an interrupt). It must stop the run even if this
+                        # speculation is dropped later: ComfyUI's interrupt flag clears as it raises, so no other
+                        # lane would ever see it again.
+                        self._fail(err)
+                        raise
 
             gen.before_call = guarded
             started = time.perf_counter()
@@ -224,10 +244,15 @@ class Workers:
         return {name: round(lane.busy_seconds, 6) for name, lane in self._lanes.items()}
 
     def finish(self) -> None:
-        """Run what is still queued (the lazy lane's trailing tasks) and wait for every lane."""
+        """Run what is still queued (the lazy lane's trailing tasks), wait for every lane, and raise the run's first
+        error if any task failed, a dropped speculation whose hook saw a cancel included."""
         for lane in self._lanes.values():
             if not lane.threaded:
                 lane.drain()
+        for lane in self._lanes.values():
+            lane.close()
+        if self.first_error is not None:
+            raise self.first_error
 
     def __enter__(self) -> "Workers":
         return self

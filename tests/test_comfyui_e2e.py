@@ -79,7 +79,10 @@ class Server:
                 time.sleep(1.0)
         else:
             pytest.fail(f"ComfyUI did not serve the SDVG nodes within {STARTUP_S}s:\n{self.log()[-5000:]}")
-        assert "IMPORT FAILED" not in self.log(), self.log()[-5000:]
+        # Only this pack's import matters (core audio nodes fail without torchaudio, which has no build for every torch).
+        failed = [line for line in self.log().splitlines() if ("IMPORT FAILED" in line or "Cannot import" in line)
+                  and (PACK in line or "sdvg" in line.lower())]
+        assert not failed, "\n".join(failed) + "\n" + self.log()[-5000:]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -357,7 +360,8 @@ def test_changing_only_tau_replays_the_unchanged_blocks(server):
         entry = server.wait(server.queue(prompt))
         report = _check_outputs(server, prompt, entry, "sdvg")
         video = entry["outputs"][node_id(prompt, "SaveVideo")]["images"][0]
-        return report, (server.output / video["subfolder"] / video["filename"]).read_bytes()
+        # Decoded frames, not file bytes: SaveVideo writes the prompt (which differs in `replay`) into the metadata.
+        return report, decoded_frames(server.output / video["subfolder"] / video["filename"])
 
     keep_all, keep_all_video = run(-5.0)
     reject_all, _ = run(5.0)
@@ -370,4 +374,32 @@ def test_changing_only_tau_replays_the_unchanged_blocks(server):
     assert fresh["replay"]["replayed_blocks"] == 0
     assert again["decisions"] == fresh["decisions"] == keep_all["decisions"]
     assert again["draft_scores"] == fresh["draft_scores"]
+    assert len(again_video) == LENGTH
     assert again_video == fresh_video == keep_all_video
+    print(f"\ntau-only change: first run {keep_all['seconds']['wall']:.2f}s, replayed run {again['seconds']['wall']:.2f}s "
+          f"({keep_all['seconds']['wall'] / again['seconds']['wall']:.1f}x faster)")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_interrupt_during_speculation_stops_the_run(server, workers):
+    """Cancel while drafts are being kept (every later block drafted and accepted, the target speculating beside the
+    verification with 2 workers): the run stops whichever worker sees ComfyUI's one-shot flag."""
+    prompt = api_workflow("sdvg_prompt_embeddings", seed=31, workers=workers)
+    prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["length"] = 81
+    prompt[node_id(prompt, "SDVGRewardRouter")]["inputs"]["tau"] = -5.0
+    prompt_id = server.queue(prompt)
+    deadline = time.time() + 60
+    while time.time() < deadline and not server.get("/queue")["queue_running"]:
+        time.sleep(0.1)
+    time.sleep(1.5)
+    server.post("/interrupt", {})
+    entry = server.wait(prompt_id)
+    assert entry["status"]["status_str"] == "error" and messages(entry, "execution_interrupted"), entry["status"]
+    again = server.wait(server.queue(api_workflow("sdvg_prompt_embeddings", mode="draft_only", seed=32)))
+    assert again["status"]["status_str"] == "success"
+
+
+def decoded_frames(path: Path) -> list[bytes]:
+    av = pytest.importorskip("av")
+    with av.open(str(path)) as container:
+        return [frame.to_ndarray(format="rgb24").tobytes() for frame in container.decode(container.streams.video[0])]
