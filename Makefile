@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench clean e2e
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ bench: venv
 	$(VPY) bench/bench_overlap.py
 	$(VPY) bench/bench_tau_sweep.py
 	$(VPY) bench/bench_toy_settings.py
+
+# The pack in a real ComfyUI (COMFYUI_PATH=<checkout>) and its UI workflows in the real frontend: see scripts/e2e.sh.
+e2e:
+	bash scripts/e2e.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

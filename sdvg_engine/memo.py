@@ -7,8 +7,15 @@ new run needs. :class:`ReplayMemo` keeps, per finished run, each block's decisio
 the state after it, in CPU RAM within a byte cap (oldest recordings dropped first); :func:`plan_replay` finds how
 far a new tau can reuse a recording by re-deciding the recorded scores, exactly as a fresh run would decide them.
 
-A model's context is restored as references plus a lazy rebuild (see :meth:`ContextScheme.restore`), the VAE from
-its snapshot; both are bit-exact, so a replayed run equals a fresh run at the new tau bit for bit.
+A model's context is restored as references plus a lazy rebuild (see :meth:`ContextScheme.restore`). The VAE's
+causal decode cache is not stored at all: it is a pure function of the latents decoded since ``reset()``, so a replay
+decodes the reused latents again, which rebuilds it bit for bit and gives the frames too (one decode per reused
+block, where storing the cache cost 3.5 GiB a block at 832x480 in fp32, and the pixels 57 MB). Both are bit-exact,
+so a replayed run equals a fresh run at the new tau bit for bit. What a recording holds per block is the latents
+(1.2 MB a block at 832x480), the context snapshots (references to those latents, plus a recompute-window model's anchor
+frames, which it re-encodes) and the seam features: 8.4 MB for an 81-frame video at 832x480 with global-cache
+models, 397 MB when a model uses the recompute window (whose snapshot references every decoded frame), where it
+was 25 GiB.
 """
 
 from __future__ import annotations
@@ -24,16 +31,27 @@ from .router import RouteDecision, TauState
 DEFAULT_MAX_BYTES = 4 << 30
 
 
-def _cpu(value):
-    """A CPU copy of every tensor inside ``value`` (tuples, lists and dataclass-like VAE states kept as they are)."""
+def _cpu(value, copies: dict | None = None):
+    """A CPU copy of every tensor inside ``value`` (tuples, lists and dataclass-like states kept as they are).
+
+    ``copies`` (one dict per recording) makes each device tensor cross to the host once: every block's context
+    snapshot references all earlier frames again, which would otherwise be copied again for every block."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        if value.device.type == "meta":  # a dry run at real size: nothing to copy, and views stay views
+            return value
+        if value.device.type == "cpu" or copies is None:
+            return value.detach().cpu()
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()),
+               value.dtype)
+        if key not in copies:
+            copies[key] = (value, value.detach().cpu())  # the source is kept so its address is not reused meanwhile
+        return copies[key][1]
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_cpu(v) for v in value))
+        return type(value)(*(_cpu(v, copies) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_cpu(v) for v in value)
+        return type(value)(_cpu(v, copies) for v in value)
     if hasattr(value, "__dataclass_fields__"):
-        return type(value)(**{k: _cpu(getattr(value, k)) for k in value.__dataclass_fields__})
+        return type(value)(**{k: _cpu(getattr(value, k), copies) for k in value.__dataclass_fields__})
     return value
 
 
@@ -45,9 +63,8 @@ class RecordedBlock:
     source: str
     drafted: bool
     decision: RouteDecision | None
-    latents: torch.Tensor  # [B, C, F, h, w] float32
-    pixels: torch.Tensor  # [B, 3, T, H, W] in [-1, 1], as decoded
-    vae_after: object  # VAEDecodeState
+    latents: torch.Tensor  # [B, C, F, h, w] float32: what a replay decodes again (frames and VAE state)
+    num_frames: int  # video frames of the block (T of its decoded pixels)
     contexts_after: dict  # generator name -> ContextScheme.snapshot()
     previous_features_after: torch.Tensor | None
     seconds: float  # component seconds this block took (what a replay saves)
@@ -58,10 +75,16 @@ class RecordedBlock:
 class Recording:
     key: tuple
     blocks: list[RecordedBlock] = field(default_factory=list)
+    #: device tensor -> its host copy, while the run records (see :func:`_cpu`); emptied when the run ends
+    host_copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return _unique_nbytes(self.blocks)
+
+    def decisions(self) -> list[tuple]:
+        """Per block: where it came from and, for a scored draft, its block score (what a replay plan reads)."""
+        return [(b.source, b.drafted, None if b.decision is None else b.decision.block_score) for b in self.blocks]
 
 
 def _unique_nbytes(blocks) -> int:
@@ -69,10 +92,17 @@ def _unique_nbytes(blocks) -> int:
     tensor counts once."""
     seen, total = set(), 0
     for block in blocks:
-        for t in _tensors([block.latents, block.pixels, block.vae_after, block.contexts_after, block.previous_features_after]):
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
+        for t in _tensors([block.latents, block.contexts_after, block.previous_features_after]):
+            # By storage: a context snapshot that holds a view of the block's latents holds no more bytes. Meta
+            # tensors (a dry run at real size) have no storage: their base tensor stands for it.
+            if t.device.type == "meta":
+                base = t if t._base is None else t._base
+                key, size = ("meta", id(base)), base.numel() * base.element_size()
+            else:
+                key, size = (t.device.type, t.untyped_storage().data_ptr()), t.untyped_storage().nbytes()
+            if key not in seen:
+                seen.add(key)
+                total += size
     return total
 
 
@@ -123,9 +153,15 @@ class ReplayMemo:
     def store(self, recording: Recording) -> bool:
         """Keep ``recording`` as the newest; drop the oldest recordings beyond the cap (blocks a replayed run shares
         with its source recording are the same tensors and counted once)."""
-        if recording.nbytes > self.max_bytes:
+        if recording.nbytes > self.max_bytes or not recording.blocks:
             return False
         with self._lock:
+            # A run that replayed a recording and made the same decisions adds nothing: drop such older copies (their
+            # tensors are shared, so they cost no bytes and the cap alone would never evict them).
+            pattern = recording.decisions()
+            for k in [k for k, r in self._recordings.items() if r.key == recording.key
+                      and pattern[:len(r.blocks)] == r.decisions()]:
+                del self._recordings[k]
             self._recordings[self._next] = recording
             self._next += 1
             while self._recordings and self._nbytes_locked() > self.max_bytes:
@@ -183,7 +219,7 @@ def plan_replay(recordings: list[Recording], router, options, tau_state: TauStat
             decision = block.decision
             if block.drafted and options.mode == "sdvg":
                 tau = router.block_tau(state)
-                decision = redecide(router, options, block.decision, block.pixels.shape[2], tau)
+                decision = redecide(router, options, block.decision, block.num_frames, tau)
                 if decision is None or decision.accept != block.decision.accept:
                     break
                 state.observe(decision.block_score)

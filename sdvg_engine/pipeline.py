@@ -309,7 +309,7 @@ class SpeculativePipeline:
         """Decode a block; its :class:`Lap` is what an all-target run would pay for this block too."""
         with self._measure(run, "vae") as lap:
             pixels = self.vae.decode_block(sample.latents)
-        return _Decoded(None, pixels, lap, self.vae.snapshot())
+        return _Decoded(None, pixels, lap)
 
     def _snapshot_and_decode(self, run, sample: BlockSample) -> "_Decoded":
         """Decode a draft, keeping the VAE state from before it, to roll back to on reject."""
@@ -420,16 +420,27 @@ class SpeculativePipeline:
         record.seconds = {k: v - run.block_seconds.get(k, 0.0) for k, v in now.items() if v - run.block_seconds.get(k, 0.0) > 0}
         run.block_seconds = dict(now)
         if run.recording is not None:
-            run.recording.blocks.append(RecordedBlock(
+            self._record(run, RecordedBlock(
                 index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
-                latents=run.latents[-1], pixels=_cpu(decoded.pixels), vae_after=_cpu(decoded.vae_after),
-                contexts_after={name: _cpu(run.workers.result(f)) for name, f in block.contexts_after.items()},
+                latents=run.latents[-1], num_frames=decoded.pixels.shape[2],
+                contexts_after={name: _cpu(run.workers.result(f), run.recording.host_copies)
+                                for name, f in block.contexts_after.items()},
                 previous_features_after=_cpu(run.workers.result(block.previous_features_after)
                                              if isinstance(block.previous_features_after, Future) else block.previous_features_after),
                 seconds=sum(record.seconds.values()),
                 reference_after=run.workers.result(block.reference_after)
                 if isinstance(block.reference_after, Future) else block.reference_after))
         return record
+
+    def _record(self, run, block: RecordedBlock) -> None:
+        """Add a block to the run's recording while it fits the memo's cap: a recording too large to keep whole keeps
+        its longest prefix that fits (a later run still replays every block up to there)."""
+        if run.recording_full:
+            return
+        run.recording.blocks.append(block)
+        if run.recording.nbytes > self.memo.max_bytes:
+            run.recording.blocks.pop()
+            run.recording_full = True
 
     def _append_block(self, run, index, source, drafted, decision, latents, pixels, **record_fields) -> BlockRecord:
         """Add a final block's frames, latents (CPU float32) and mask to the run, and its :class:`BlockRecord`."""
@@ -456,18 +467,21 @@ class SpeculativePipeline:
         last = blocks[-1]
         for gen in run.active:
             gen.context.restore(last.contexts_after[gen.name])
-        self.vae.restore(last.vae_after)
         run.previous_features = last.previous_features_after
         run.reference = last.reference_after
         for block, decision in zip(blocks, plan.decisions):
             run.check_cancel("replay", "block")  # a sweep whose rest is replay still stops on a cancel
+            # The VAE's decode cache is a pure function of the latents decoded since reset(): decoding the reused
+            # latents again rebuilds it bit for bit and gives the block's frames (nothing of the VAE is recorded).
+            with self._measure(run, "vae") as lap:
+                pixels = self.vae.decode_block(block.latents)
             record = self._append_block(run, block.index, block.source, block.drafted, decision, block.latents,
-                                        block.pixels, replayed=True)
+                                        pixels, replayed=True, decode=lap)
             if run.tau_state is not None and block.drafted and decision is not None:
                 run.tau_state.observe(decision.block_score)  # the caller's state, if carried, sees the replayed drafts too
-            run.replayed_seconds += block.seconds
+            run.replayed_seconds += max(0.0, block.seconds - lap.seconds)  # what was saved: all but the decode
             if run.recording is not None:
-                run.recording.blocks.append(dataclasses.replace(block, decision=decision))
+                self._record(run, dataclasses.replace(block, decision=decision))
             yield record
 
     def _timed(self, run, component: str, fn):
@@ -578,12 +592,17 @@ class SpeculativePipeline:
         report["free_tau_interval"] = free_tau_interval(records, run.options, self.router)
         report["tau_per_block"] = [None if b.decision is None or b.decision.tau is None else _json_number(b.decision.tau)
                                    for b in records]
-        stored = self.memo.store(run.recording) if run.recording is not None else False
+        recording, run.recording, run.replay_plan = run.recording, None, None  # released: the memo keeps its own
+        if recording is not None:
+            recording.host_copies.clear()
+        stored = self.memo.store(recording) if recording is not None else False
         report["replay"] = {
-            "enabled": run.recording is not None,
+            "enabled": recording is not None,
             "replayed_blocks": run.first_block,
             "seconds_saved": round(run.replayed_seconds, 6),
             "kept_for_replay": stored,
+            "recorded_blocks": len(recording.blocks) if stored else 0,
+            "recording_bytes": recording.nbytes if stored else 0,
             "memo_bytes": self.memo.nbytes if self.memo is not None else 0,
         }
         report["schedule"] = {
@@ -663,12 +682,11 @@ def free_tau_interval(records: list[BlockRecord], options: SDVGOptions, router) 
 
 class _Decoded(NamedTuple):
     """A decoded block: the VAE state before it (drafts only, to roll back on reject), its pixels
-    ``[B, 3, T, H, W]`` in [-1, 1], the decode's :class:`Lap`, and the VAE state after it (what a replay restores)."""
+    ``[B, 3, T, H, W]`` in [-1, 1], and the decode's :class:`Lap`."""
 
     vae_before: object
     pixels: torch.Tensor
     lap: Lap
-    vae_after: object
 
 
 def _model_identity(gen: CausalGenerator) -> tuple:
@@ -723,6 +741,7 @@ class _Run:
         self.tau_state = None
         self.active = []
         self.recording = None  # what a later run may replay (when the pipeline has a memo)
+        self.recording_full = False  # the recording reached the memo's cap: later blocks are not recorded
         self.replay_plan = None
         self.first_block = 0
         self.replayed_seconds = 0.0

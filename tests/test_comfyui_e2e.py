@@ -403,3 +403,96 @@ def decoded_frames(path: Path) -> list[bytes]:
     av = pytest.importorskip("av")
     with av.open(str(path)) as container:
         return [frame.to_ndarray(format="rgb24").tobytes() for frame in container.decode(container.streams.video[0])]
+
+
+# ------------------------------------------------------------------------------------------------ the real frontend
+UI_DIR = ROOT / "workflows"
+SCREENSHOTS = Path(os.environ.get("SDVG_E2E_SCREENSHOTS", ROOT / ".e2e" / "screenshots"))
+
+# Run in the page after a workflow is loaded: what a person would see wrong. Boxes are canvas coordinates; a node's
+# box includes its title bar; a widget's box is its row inside the node.
+_LAYOUT_JS = """() => {
+  const app = window.app, LG = window.LiteGraph;
+  const title = LG.NODE_TITLE_HEIGHT, problems = [], nodes = [];
+  for (const n of app.graph._nodes) {
+    const known = !!LG.registered_node_types[n.type];
+    if (!known) problems.push(`unknown node type ${n.type}`);
+    const min = n.computeSize();
+    const box = [n.pos[0], n.pos[1] - title, n.size[0], n.size[1] + title];
+    if (n.size[0] + 0.5 < min[0] || n.size[1] + 0.5 < min[1])
+      problems.push(`${n.type} #${n.id}: size ${n.size.map(Math.round)} is below what its widgets need ${min.map(Math.round)}`);
+    const widgets = (n.widgets || []).filter(w => !w.hidden && w.type !== "hidden").map(w => {
+      const y = (w.last_y ?? w.y ?? 0), h = (w.computedHeight ?? (w.computeSize ? w.computeSize(n.size[0])[1] : LG.NODE_WIDGET_HEIGHT));
+      return {name: w.name, box: [n.pos[0], n.pos[1] + y, n.size[0], h]};
+    });
+    nodes.push({id: n.id, type: n.type, box, widgets, min});
+  }
+  const overlap = (a, b) => a[0] < b[0] + b[2] && b[0] < a[0] + a[2] && a[1] < b[1] + b[3] && b[1] < a[1] + a[3];
+  for (const a of nodes) for (const b of nodes) {
+    if (a === b) continue;
+    for (const w of a.widgets)
+      if (overlap(w.box, b.box)) problems.push(`${a.type} #${a.id} widget '${w.name}' is covered by ${b.type} #${b.id}`);
+    if (a.id < b.id && overlap(a.box, b.box)) problems.push(`${a.type} #${a.id} overlaps ${b.type} #${b.id}`);
+  }
+  return {problems, nodes: nodes.map(n => ({id: n.id, type: n.type, box: n.box.map(Math.round), min: n.min.map(Math.round)}))};
+}"""
+
+
+def test_ui_workflows_load_in_the_real_frontend(server):
+    """Every UI workflow in workflows/ loads into ComfyUI's own frontend (headless Debian Chromium): no unknown node
+    type, no console error, no widget covered by another node or cut off; a screenshot of each for a person to see."""
+    required = os.environ.get("SDVG_E2E_UI") == "1"  # `make e2e` sets it: a missing browser is then a failure
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if required:
+            raise
+        pytest.skip("playwright is not installed (make e2e installs it)")
+    chromium = os.environ.get("SDVG_CHROMIUM", "/usr/bin/chromium")
+    if not Path(chromium).exists():
+        if required:
+            pytest.fail(f"no Chromium at {chromium}: apt-get install chromium (or set SDVG_CHROMIUM)")
+        pytest.skip(f"no Chromium at {chromium}")
+    settings = server.root / "user" / "default" / "comfy.settings.json"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    report = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1920, "height": 1080})
+        console = []
+        page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: console.append(f"{e}\n{(e.stack or '')[:600]}"))
+        page.goto(server.url, wait_until="networkidle")
+        page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph", timeout=120_000)
+        page.wait_for_timeout(2000)
+        startup_errors = [c for c in console if not _benign(c)]
+        for path in sorted(UI_DIR.glob("*.json")):
+            console.clear()
+            page.evaluate("(wf) => window.app.loadGraphData(wf)", json.loads(path.read_text()))
+            page.wait_for_timeout(1500)
+            page.keyboard.press("Escape")  # close a dialog (e.g. missing models) if one opened
+            layout = page.evaluate(_LAYOUT_JS)
+            shot = SCREENSHOTS / f"{path.stem}.png"
+            page.screenshot(path=str(shot))
+            report[path.stem] = {"problems": layout["problems"] + [f"console: {c}" for c in console if not _benign(c)],
+                                 "nodes": layout["nodes"], "screenshot": str(shot)}
+        browser.close()
+    (SCREENSHOTS / "layout.json").write_text(json.dumps(report, indent=1))
+    print("\n".join(f"{name}: {len(r['problems'])} problem(s), screenshot {r['screenshot']}" for name, r in report.items()))
+    bad = {name: r["problems"] for name, r in report.items() if r["problems"]}
+    assert not startup_errors, startup_errors
+    assert not bad, json.dumps(bad, indent=1)
+
+
+def _benign(message: str) -> bool:
+    # The frontend asks the server for things a --cpu test server without internet does not have (404s and refused
+    # fetches of remote resources); those are not the workflows' doing. ComfyUI 0.3.64's frontend (1.27.10) also
+    # throws "Cannot read properties of undefined (reading 'id')" from its settings store at startup, with this pack
+    # absent too (checked with --disable-all-custom-nodes and nothing whitelisted); it is not raised by loading ours.
+    known = ("Failed to load resource", "net::ERR_", "favicon")
+    startup = "Cannot read properties of undefined (reading 'id')" in message and "addSetting" in message
+    return startup or any(s in message for s in known)

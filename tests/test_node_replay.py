@@ -41,7 +41,7 @@ def test_changing_only_tau_replays_and_equals_a_fresh_run(stack, folders, servic
     info = replay_of(replayed)
     expected = 1 + next(i for i, s in enumerate(scores) if s < tau)  # blocks before the first flipped draft
     assert info["replayed_blocks"] == expected and info["seconds_saved"] > 0
-    assert replay_of(fresh) == {"enabled": False, "replayed_blocks": 0, "seconds_saved": 0.0, "kept_for_replay": False,
+    assert replay_of(fresh) == {"enabled": False, "replayed_blocks": 0, "seconds_saved": 0.0, "kept_for_replay": False, "recorded_blocks": 0, "recording_bytes": 0,
                                 "memo_bytes": 0}
     # tau inside the free interval of the last run: nothing changes, nothing runs.
     free = json.loads(replayed.report)["free_tau_interval"]
