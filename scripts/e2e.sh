@@ -13,7 +13,7 @@ ENV=${SDVG_E2E_ENV:-$ROOT/.e2e/venv}
 
 if [ -z "${COMFYUI_PATH:-}" ] || [ ! -f "$COMFYUI_PATH/main.py" ]; then
   echo "make e2e: set COMFYUI_PATH to a ComfyUI checkout (tested: v0.3.64, Comfy-Org/ComfyUI a125cd84)," >&2
-  echo "  e.g. git clone https://github.com/Comfy-Org/ComfyUI ~/ComfyUI && git -C ~/ComfyUI checkout v0.3.64" >&2
+  echo "  e.g. a clone of Comfy-Org/ComfyUI at tag v0.3.64: COMFYUI_PATH=~/ComfyUI make e2e" >&2
   exit 2
 fi
 COMFYUI_PATH=$(cd "$COMFYUI_PATH" && pwd)
@@ -23,7 +23,7 @@ if [ -z "$CHROMIUM" ]; then
   exit 2
 fi
 
-stamp="$ENV/.sdvg-e2e-$(sha256sum "$COMFYUI_PATH/requirements.txt" pyproject.toml | sha256sum | cut -c1-16)"
+stamp="$ENV/.sdvg-e2e-$(cat "$COMFYUI_PATH/requirements.txt" pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "building the ComfyUI environment in $ENV (once; several GB)"
   python3 -m venv "$ENV"

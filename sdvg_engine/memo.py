@@ -8,14 +8,12 @@ the state after it, in CPU RAM within a byte cap (oldest recordings dropped firs
 far a new tau can reuse a recording by re-deciding the recorded scores, exactly as a fresh run would decide them.
 
 A model's context is restored as references plus a lazy rebuild (see :meth:`ContextScheme.restore`). The VAE's
-causal decode cache is not stored at all: it is a pure function of the latents decoded since ``reset()``, so a replay
-decodes the reused latents again, which rebuilds it bit for bit and gives the frames too (one decode per reused
-block, where storing the cache cost 3.5 GiB a block at 832x480 in fp32, and the pixels 57 MB). Both are bit-exact,
-so a replayed run equals a fresh run at the new tau bit for bit. What a recording holds per block is the latents
-(1.2 MB a block at 832x480), the context snapshots (references to those latents, plus a recompute-window model's anchor
-frames, which it re-encodes) and the seam features: 8.4 MB for an 81-frame video at 832x480 with global-cache
-models, 397 MB when a model uses the recompute window (whose snapshot references every decoded frame), where it
-was 25 GiB.
+causal decode cache is not stored at all (3.5 GiB a block at 832x480 in fp32): it is a pure function of the latents
+decoded since ``reset()``, so a run that goes on after the replayed prefix decodes the reused latents again, which
+rebuilds it bit for bit (one decode per reused block). A run replayed whole needs no VAE state and takes the recorded
+frames. Both are bit-exact, so a replayed run equals a fresh run at the new tau bit for bit. A recording holds per
+block the latents (1.2 MB at 832x480), the decoded frames (57 MB; a recompute-window model's context snapshots
+reference the same frames) and the seam features: 397 MB for an 81-frame video at 832x480, where it was 25 GiB.
 """
 
 from __future__ import annotations
@@ -69,6 +67,7 @@ class RecordedBlock:
     previous_features_after: torch.Tensor | None
     seconds: float  # component seconds this block took (what a replay saves)
     reference_after: float | None = None  # relative routing: this block's score as committed (the next reference)
+    pixels: torch.Tensor | None = None  # [B, 3, T, H, W] in [-1, 1] as decoded: a run replayed whole needs no decode
 
 
 @dataclass
@@ -92,7 +91,7 @@ def _unique_nbytes(blocks) -> int:
     tensor counts once."""
     seen, total = set(), 0
     for block in blocks:
-        for t in _tensors([block.latents, block.contexts_after, block.previous_features_after]):
+        for t in _tensors([block.latents, block.pixels, block.contexts_after, block.previous_features_after]):
             # By storage: a context snapshot that holds a view of the block's latents holds no more bytes. Meta
             # tensors (a dry run at real size) have no storage: their base tensor stands for it.
             if t.device.type == "meta":

@@ -423,6 +423,7 @@ class SpeculativePipeline:
             self._record(run, RecordedBlock(
                 index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
                 latents=run.latents[-1], num_frames=decoded.pixels.shape[2],
+                pixels=_cpu(decoded.pixels, run.recording.host_copies),
                 contexts_after={name: _cpu(run.workers.result(f), run.recording.host_copies)
                                 for name, f in block.contexts_after.items()},
                 previous_features_after=_cpu(run.workers.result(block.previous_features_after)
@@ -469,17 +470,22 @@ class SpeculativePipeline:
             gen.context.restore(last.contexts_after[gen.name])
         run.previous_features = last.previous_features_after
         run.reference = last.reference_after
+        # The VAE's decode cache is a pure function of the latents decoded since reset(), so a run that goes on after
+        # the prefix decodes the reused latents again, which rebuilds it bit for bit (nothing of the VAE is recorded).
+        # A run replayed whole needs no VAE state: it takes the recorded frames.
+        whole = plan.reuse == run.num_blocks and all(b.pixels is not None for b in blocks)
         for block, decision in zip(blocks, plan.decisions):
             run.check_cancel("replay", "block")  # a sweep whose rest is replay still stops on a cancel
-            # The VAE's decode cache is a pure function of the latents decoded since reset(): decoding the reused
-            # latents again rebuilds it bit for bit and gives the block's frames (nothing of the VAE is recorded).
-            with self._measure(run, "vae") as lap:
-                pixels = self.vae.decode_block(block.latents)
+            if whole:
+                pixels, lap = block.pixels, None
+            else:
+                with self._measure(run, "vae") as lap:
+                    pixels = self.vae.decode_block(block.latents)
             record = self._append_block(run, block.index, block.source, block.drafted, decision, block.latents,
-                                        pixels, replayed=True, decode=lap)
+                                        pixels, replayed=True, decode=lap if lap is not None else Lap())
             if run.tau_state is not None and block.drafted and decision is not None:
                 run.tau_state.observe(decision.block_score)  # the caller's state, if carried, sees the replayed drafts too
-            run.replayed_seconds += max(0.0, block.seconds - lap.seconds)  # what was saved: all but the decode
+            run.replayed_seconds += max(0.0, block.seconds - (lap.seconds if lap is not None else 0.0))
             if run.recording is not None:
                 self._record(run, dataclasses.replace(block, decision=decision))
             yield record

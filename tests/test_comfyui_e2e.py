@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from node_fixtures import write_comfy_vae, write_tiny_models
-from workflow_checks import CORE, ROOT, SPECS
+from workflow_checks import CORE, ROOT, SPECS, node_of, sized_api_workflow
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 pytestmark = pytest.mark.skipif(
@@ -163,15 +163,21 @@ def server(tmp_path_factory):
 
 
 def api_workflow(name: str, **sampler_inputs) -> dict:
-    prompt = json.loads((API_DIR / f"{name}.json").read_text())
-    for node in prompt.values():
-        if node["class_type"] == "SDVGSpeculativeSampler":
-            node["inputs"].update(width=W, height=H, length=LENGTH, **sampler_inputs)
-    return prompt
+    return sized_api_workflow(name, W, H, LENGTH, **sampler_inputs)
 
 
-def node_id(prompt: dict, class_type: str) -> str:
-    return next(k for k, v in prompt.items() if v["class_type"] == class_type)
+node_id = node_of
+
+
+def interrupted_run(server: Server, prompt: dict, after_s: float) -> dict:
+    """Queue ``prompt``, press Cancel (POST /interrupt) ``after_s`` after it starts running, return its history."""
+    prompt_id = server.queue(prompt)
+    deadline = time.time() + 60
+    while time.time() < deadline and not server.get("/queue")["queue_running"]:
+        time.sleep(0.1)
+    time.sleep(after_s)
+    server.post("/interrupt", {})
+    return server.wait(prompt_id)
 
 
 def messages(entry: dict, event: str) -> list[dict]:
@@ -301,13 +307,7 @@ def test_invalid_length_is_rejected_at_queue_time(server):
 def test_interrupt_stops_the_sampler(server):
     prompt = api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=5)
     prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["length"] = 81
-    prompt_id = server.queue(prompt)
-    deadline = time.time() + 60
-    while time.time() < deadline and not server.get("/queue")["queue_running"]:
-        time.sleep(0.2)
-    time.sleep(1.0)
-    server.post("/interrupt", {})
-    entry = server.wait(prompt_id)
+    entry = interrupted_run(server, prompt, after_s=1.0)
     assert entry["status"]["status_str"] == "error" and messages(entry, "execution_interrupted")
     # ... and the next run works.
     again = server.wait(server.queue(api_workflow("sdvg_prompt_embeddings", mode="draft_only", seed=6)))
@@ -367,6 +367,7 @@ def test_changing_only_tau_replays_the_unchanged_blocks(server):
     reject_all, _ = run(5.0)
     assert reject_all["replay"]["replayed_blocks"] == 1  # block 0 is the target's either way
     again, again_video = run(-5.0)
+    print("\nfirst run seconds", keep_all["seconds"], "\nreplayed run seconds", again["seconds"])
     assert again["replay"]["replayed_blocks"] == 3 and again["replay"]["seconds_saved"] > 0
     assert again["model_calls"] == {"drafter": {}, "target": {}}
     assert again["seconds"]["wall"] < keep_all["seconds"]["wall"]
@@ -387,13 +388,7 @@ def test_interrupt_during_speculation_stops_the_run(server, workers):
     prompt = api_workflow("sdvg_prompt_embeddings", seed=31, workers=workers)
     prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["length"] = 81
     prompt[node_id(prompt, "SDVGRewardRouter")]["inputs"]["tau"] = -5.0
-    prompt_id = server.queue(prompt)
-    deadline = time.time() + 60
-    while time.time() < deadline and not server.get("/queue")["queue_running"]:
-        time.sleep(0.1)
-    time.sleep(1.5)
-    server.post("/interrupt", {})
-    entry = server.wait(prompt_id)
+    entry = interrupted_run(server, prompt, after_s=1.5)
     assert entry["status"]["status_str"] == "error" and messages(entry, "execution_interrupted"), entry["status"]
     again = server.wait(server.queue(api_workflow("sdvg_prompt_embeddings", mode="draft_only", seed=32)))
     assert again["status"]["status_str"] == "success"

@@ -24,7 +24,7 @@ from comfy_executor import Executor  # noqa: E402
 from nodes import logic, schema  # noqa: E402
 from node_fixtures import PROMPTS, write_tiny_models  # noqa: E402
 from sdvg_engine.text_encoder import load_prompt_embeddings  # noqa: E402
-from workflow_checks import ROOT  # noqa: E402
+from workflow_checks import ROOT, node_of, sized_api_workflow  # noqa: E402
 
 API_DIR = ROOT / "tests" / "api_workflows"
 W, H, LENGTH = 48, 32, 33  # 3 blocks
@@ -54,15 +54,10 @@ def executor(models):
 
 
 def workflow(name: str, length: int = LENGTH, **sampler_inputs) -> dict:
-    prompt = json.loads((API_DIR / f"{name}.json").read_text())
-    for node in prompt.values():
-        if node["class_type"] == "SDVGSpeculativeSampler":
-            node["inputs"].update(width=W, height=H, length=length, **sampler_inputs)
-    return prompt
+    return sized_api_workflow(name, W, H, length, **sampler_inputs)
 
 
-def nid(prompt: dict, class_type: str) -> str:
-    return next(k for k, v in prompt.items() if v["class_type"] == class_type)
+nid = node_of
 
 
 def sampler_outputs(prompt, result):

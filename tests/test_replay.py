@@ -206,3 +206,30 @@ def test_a_carried_adaptive_state_sees_replayed_drafts():
     assert replayed.report["replay"]["replayed_blocks"] == 4
     assert_same(replayed, fresh)
     assert second_state.scores == fresh_state.scores == first_state.scores and len(fresh_state.scores) == 3
+
+
+def test_a_recording_over_the_cap_keeps_its_longest_prefix_and_is_released():
+    pipe = tiny_pipeline()
+    pipe.memo = ReplayMemo()
+    full = generate(pipe, -math.inf)
+    recording = pipe.memo.lookup(pipe.memo._recordings[0].key)[0]
+    assert len(recording.blocks) == 4 and all(b.pixels is not None for b in recording.blocks)
+    assert not hasattr(recording.blocks[0], "vae_after")  # no VAE decode cache is ever recorded
+    prefix_bytes = type(recording)(recording.key, recording.blocks[:2]).nbytes
+    pipe.memo = ReplayMemo(max_bytes=prefix_bytes)
+    capped = generate(pipe, -math.inf, seed=7)
+    assert capped.report["replay"]["kept_for_replay"] and capped.report["replay"]["recorded_blocks"] == 2
+    assert pipe._run.recording is None  # the run keeps nothing once it has returned
+    # The prefix still replays, and the rest equals a fresh run.
+    again = generate(pipe, -math.inf, seed=7)
+    assert again.report["replay"]["replayed_blocks"] == 2
+    assert_same(again, generate(tiny_pipeline(), -math.inf, seed=7))
+    assert full.report["replay"]["recorded_blocks"] == 4
+
+
+def test_identical_replays_do_not_pile_up_recordings():
+    pipe = tiny_pipeline()
+    pipe.memo = ReplayMemo()
+    for _ in range(5):
+        generate(pipe, -math.inf)  # every run after the first is a whole replay with the same decisions
+    assert len(pipe.memo) == 1

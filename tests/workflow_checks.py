@@ -303,3 +303,19 @@ def ui_to_api(wf: dict) -> dict:
                 inputs[inp["name"]] = [str(link[1]), link[2]]
         prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
     return prompt
+
+
+def sized_api_workflow(name: str, width: int, height: int, length: int, **sampler_inputs) -> dict:
+    """A shipped API workflow (tests/api_workflows/NAME.json) with the sampler set to a small size (and more inputs)."""
+    import json
+
+    prompt = json.loads((ROOT / "tests" / "api_workflows" / f"{name}.json").read_text())
+    for node in prompt.values():
+        if node["class_type"] == "SDVGSpeculativeSampler":
+            node["inputs"].update(width=width, height=height, length=length, **sampler_inputs)
+    return prompt
+
+
+def node_of(prompt: dict, class_type: str) -> str:
+    """The id of the (first) node of ``class_type`` in an API prompt."""
+    return next(k for k, v in prompt.items() if v["class_type"] == class_type)
