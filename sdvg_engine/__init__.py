@@ -13,6 +13,7 @@ from .loaders import load_generator, parse_dtype
 from .models.causal_wan import CausalWanTransformer3DModel, TextKV, wan_config
 from .models.loading import CheckpointError, CheckpointInfo, inspect_checkpoint, load_causal_wan
 from .pipeline import MODES, CancelToken, GenerationCancelled, SDVGOptions, SDVGResult, SpeculativePipeline
+from .workers import StreamAbandoned
 from .report import BlockRecord
 from .sampling import KREA_SCHEDULE, SELF_FORCING_SCHEDULE, Schedule, SeededNoise, TensorNoise
 
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnchorEncoder", "BlockRecord", "BlockSample", "CancelToken", "CausalGenerator", "CausalWanTransformer3DModel",
-    "CheckpointError", "CheckpointInfo", "GenerationCancelled", "GlobalCache", "KREA_SCHEDULE", "MODES",
+    "CheckpointError", "CheckpointInfo", "GenerationCancelled", "StreamAbandoned", "GlobalCache", "KREA_SCHEDULE", "MODES",
     "RecomputeWindow", "SDVGOptions", "SDVGResult", "SELF_FORCING_SCHEDULE", "Schedule", "SeededNoise",
     "SpeculativePipeline", "TensorNoise", "TextKV", "inspect_checkpoint", "load_causal_wan", "load_generator",
     "make_context_scheme", "parse_dtype", "wan_config",

@@ -84,6 +84,8 @@ class CausalGenerator:
             and self.kv_cache.tokens_per_frame == self.model.tokens_per_frame(latent_height, latent_width)
             and self.kv_cache.capacity_frames == capacity
             and self.kv_cache.geometry.device == self.model.device
+            # apply_memory_options(kv_dtype=...) on a loaded model takes effect at the next video
+            and self.kv_cache.geometry.dtype == (self.model.kv_cache_dtype or self.model.compute_dtype)
         )
         if not geometry_ok:
             self.kv_cache = None  # free the old allocation before making the new one

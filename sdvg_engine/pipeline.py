@@ -326,21 +326,23 @@ class SpeculativePipeline:
             return None
         if mode == "random":
             return run.random_router.decide_block(b)
-        return run.workers.result(run.submit("reward", self._score_draft, run, decoded))
+        # What the score reads is handed over now (the seam features and reference of the blocks committed so far),
+        # never read from the run later on the reward's worker.
+        return run.workers.result(run.submit("reward", self._score_draft, run, decoded, run.tau_state,
+                                             run.previous_features, run.reference))
 
-    def _score_draft(self, run, decoded) -> RouteDecision:
+    def _score_draft(self, run, decoded, tau_state, previous, reference) -> RouteDecision:
         frames = unit_frames(decoded.pixels)
-        tau = self.router.block_tau(run.tau_state)
-        decision = self._timed(run, "reward", lambda: self._score(run, frames, tau))
-        run.tau_state.observe(decision.block_score)
+        tau = self.router.block_tau(tau_state)
+        decision = self._timed(run, "reward", lambda: self._score(run, frames, tau, previous, reference))
+        tau_state.observe(decision.block_score)
         return decision
 
-    def _score(self, run, frames: torch.Tensor, tau: float) -> RouteDecision:
+    def _score(self, run, frames: torch.Tensor, tau: float, previous, reference) -> RouteDecision:
         router, opts = self.router, run.options
-        previous = wait(run.previous_features)
         if not opts.cascade or frames.shape[0] <= opts.cascade_frames:
             # Only relative routing takes a reference, so routers written against the older judge() keep working.
-            relative = {"reference": wait(run.reference)} if router.tau_mode == "relative" else {}
+            relative = {"reference": reference} if router.tau_mode == "relative" else {}
             decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau, **relative)
             run.draft_features = scores.image_features[-1]
             return decision
@@ -366,9 +368,13 @@ class SpeculativePipeline:
         self._track_reference(run, b, source, decision, decoded)
         if source == "draft" and run.draft_features is not None:
             run.previous_features = run.draft_features
-        elif run.prompt_features is not None and self.router.temporal_weight != 0.0:
-            # The next draft's seam term needs this block's last frame (scored only in sdvg mode).
+        elif run.prompt_features is not None and b + 1 < run.num_blocks:
+            # The next draft's seam term needs this block's last frame (scored only in sdvg mode). Also with the
+            # temporal weight at 0: the reported temporal score must span the seam to the frame right before the draft
+            # (one frame through the reward's image tower; without it the report used no seam or a stale one).
             run.previous_features = run.submit("reward", self._seam_features, run, decoded)
+        else:
+            run.previous_features = None
         run.draft_features = None
         return _Block(index=b, source=source, drafted=drafted, decision=decision, sample=sample, decoded=decoded,
                       contexts_after=contexts, previous_features_after=run.previous_features,
@@ -704,7 +710,9 @@ def _model_identity(gen: CausalGenerator) -> tuple:
     weights = _weights_fingerprint(gen.model)
     context = tuple(sorted((k, str(v)) for k, v in vars(gen.context).items() if isinstance(v, (int, float, str, type(None)))
                            and k in ("max_frames", "context_frames", "attention_bias")))
-    return (id(gen.model), weights, gen.schedule.timesteps, gen.context.name, context, gen.frames_per_block)
+    kv_dtype = str(getattr(gen.model, "kv_cache_dtype", None) or getattr(gen.model, "compute_dtype", ""))
+    return (id(gen.model), weights, gen.schedule.timesteps, gen.schedule.shift, kv_dtype, gen.context.name, context,
+            gen.frames_per_block)
 
 
 def _weights_fingerprint(model: torch.nn.Module, samples: int = 512) -> tuple:

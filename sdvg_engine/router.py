@@ -152,29 +152,28 @@ class TauState:
 
     def __post_init__(self) -> None:
         self.scores = [float(s) for s in self.scores]
-        self._sorted = sorted(_rank_value(s) for s in self.scores)
+        self._sorted = sorted(s for s in self.scores if not math.isnan(s))
 
     def observe(self, score: float) -> None:
-        """Record one drafted block's score (NaN allowed: it ranks as -inf)."""
+        """Record one drafted block's score. A NaN score (a diverging drafter) is recorded but takes no part in the
+        quantile: ranked as -inf, two of them pulled the threshold to -inf and every later draft was kept."""
         score = float(score)
         self.scores.append(score)
-        bisect.insort(self._sorted, _rank_value(score))
+        if not math.isnan(score):
+            bisect.insort(self._sorted, score)
 
     def copy(self) -> "TauState":
         return TauState(list(self.scores))
 
     def sorted_scores(self) -> list[float]:
-        """The observed scores ascending, NaN as -inf (resynchronised if ``scores`` was edited directly)."""
-        if len(self._sorted) != len(self.scores):
-            self._sorted = sorted(_rank_value(s) for s in self.scores)
+        """The observed non-NaN scores ascending (resynchronised if ``scores`` was edited directly)."""
+        finite = [s for s in self.scores if not math.isnan(s)]
+        if len(self._sorted) != len(finite):
+            self._sorted = sorted(finite)
         return self._sorted
 
     def __len__(self) -> int:
         return len(self.scores)
-
-
-def _rank_value(score: float) -> float:
-    return -math.inf if math.isnan(score) else score
 
 
 def mixture_quantile(

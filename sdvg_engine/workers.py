@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Callable
 
 import torch
@@ -38,6 +38,14 @@ class SpeculationDropped(Exception):
 class StoppedByOtherWorker(RuntimeError):
     """Raised on a worker at its next model call after another worker's task failed. :meth:`Workers.result`
     turns it back into that first error, which is what the caller sees."""
+
+
+class StreamAbandoned(RuntimeError):
+    """Raised when a stream is resumed after a newer run on the same pipeline abandoned it (its workers are gone)."""
+
+
+_ABANDONED = ("this generation was abandoned: a newer run started on the same pipeline and reset its models; "
+              "iterate one stream at a time, or start this one again")
 
 
 class _Task:
@@ -164,6 +172,7 @@ class Workers:
         self.dropped_seconds = 0.0
         self.speculations = 0
         self.dropped = 0
+        self.abandoned = False
         self._lock = threading.Lock()
 
     def _fail(self, err: BaseException) -> None:
@@ -185,6 +194,8 @@ class Workers:
         def call():
             return fn(*(wait(a) for a in args), **{k: wait(v) for k, v in kwargs.items()})
 
+        if self.abandoned:
+            raise StreamAbandoned(_ABANDONED)
         task = _Task(call, speculative=_speculative)
         self._lanes[self.lanes[component]].submit(task)
         return task.future
@@ -192,13 +203,21 @@ class Workers:
     def result(self, future: Future):
         """Wait for ``future`` (running the lazy lane up to it) and return its value or raise its error; a worker
         stopped because another failed raises that other, first error (a cancel, an interrupt, out of memory ...)."""
+        if self.abandoned and not future.done():
+            raise StreamAbandoned(_ABANDONED)
         if not self.parallel and not future.done():
             next(iter(self._lanes.values())).run_until(future)
         try:
             return future.result()
+        except CancelledError:
+            if self.abandoned:
+                raise StreamAbandoned(_ABANDONED) from None
+            raise
         except StoppedByOtherWorker:
             if self.first_error is not None:
                 raise self.first_error from None
+            if self.abandoned:
+                raise StreamAbandoned(_ABANDONED) from None
             raise
 
     def speculate(self, component: str, gen, fn: Callable, *args) -> "Speculation":
@@ -231,9 +250,7 @@ class Workers:
                 return None
             finally:
                 gen.before_call = hook
-                if spec.dropped.is_set():
-                    with self._lock:
-                        self.dropped_seconds += time.perf_counter() - started
+                spec._finished(time.perf_counter() - started)
 
         with self._lock:
             self.speculations += 1
@@ -258,7 +275,9 @@ class Workers:
         return self
 
     def abandon(self) -> None:
-        """Stop a run whose stream was left unfinished: its lanes stop at their next model call and are joined."""
+        """Stop a run whose stream was left unfinished: its lanes stop at their next model call and are joined; the
+        stream, if resumed, raises :class:`StreamAbandoned`."""
+        self.abandoned = True
         self.__exit__(SpeculationDropped, None, None)
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -278,11 +297,20 @@ class Speculation:
         self.workers = workers
         self.dropped = threading.Event()
         self.future: Future | None = None
+        self.seconds: float | None = None  # how long the task ran, once it has stopped
+
+    def _finished(self, seconds: float) -> None:
+        with self.workers._lock:
+            self.seconds = seconds
+            if self.dropped.is_set():  # dropped while it ran: all it did was wasted
+                self.workers.dropped_seconds += seconds
 
     def drop(self) -> None:
-        self.dropped.set()
         with self.workers._lock:
+            self.dropped.set()
             self.workers.dropped += 1
+            if self.seconds is not None:  # it finished before the verdict: wasted all the same
+                self.workers.dropped_seconds += self.seconds
 
 
 def wait(value):

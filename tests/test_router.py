@@ -291,11 +291,17 @@ def test_tau_state_copy_and_nan(scorer):
     b.observe(-0.1)
     assert a.scores == [0.3, -0.2, 1.0] and b.scores == [0.3, -0.2, 1.0, -0.1] and len(b) == 4
     assert router.block_tau(a) != router.block_tau(b)
-    # A NaN score (diverged draft) ranks as -inf, and such a block is rejected whatever tau.
+    # A NaN score (diverged draft) is recorded but leaves the threshold alone, and such a block is rejected.
     c = a.copy()
     c.observe(math.nan)
-    assert router.block_tau(c) == router.block_tau(TauState([0.3, -0.2, 1.0, -math.inf]))
+    assert router.block_tau(c) == router.block_tau(a) and len(c) == 4
     assert not router.decide([math.nan], tau=router.block_tau(c)).accept
+    # Two NaNs used to rank as -inf and drag the (1 - 0.73) quantile to -inf: every later draft was then kept.
+    d = TauState()
+    for s in (0.3, math.nan, math.nan):
+        d.observe(s)
+    assert math.isfinite(router.block_tau(d)) and router.block_tau(d) == router.block_tau(TauState([0.3]))
+    assert not router.decide([-4.0], tau=router.block_tau(d)).accept
     # Edited in place: the sorted view follows.
     a.scores.append(9.0)
     assert router.block_tau(a) == router.block_tau(TauState([0.3, -0.2, 1.0, 9.0]))
@@ -396,3 +402,31 @@ def test_router_node_workflows_old_and_new_widget_counts():
     assert check_ui_workflow(wf) == []
     node["widgets_values"] = node["widgets_values"][:4]  # a required widget missing is not
     assert any("widgets_values" in e for e in check_ui_workflow(wf))
+
+
+def test_reported_temporal_score_spans_the_seam_with_the_weight_off():
+    """temporal_weight=0: each drafted block's reported temporal score is the consistency of its frames with the last
+    frame before it (block 0's, a regenerated block's or a kept draft's), computed here by hand from the video."""
+    from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, tiny_pipeline
+    from sdvg_engine.router import temporal_consistency
+
+    taus = []
+    for tau in (-math.inf, math.inf):
+        pipe = tiny_pipeline(tau=tau)
+        scores = [r.decision.block_score for r in pipe.generate(
+            prompt_embeds(), prompt=PROMPT, num_frames=45, width=WIDTH, height=HEIGHT, seed=5).blocks if r.decision]
+        taus.append(scores)
+    tau = sorted(taus[0])[1]  # a mix: the lowest draft rejected
+    pipe = tiny_pipeline(tau=tau)
+    result = pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=45, width=WIDTH, height=HEIGHT, seed=5)
+    assert {r.source for r in result.blocks[1:]} == {"draft", "target"}
+    router = pipe.router
+    features = router.scorer.encode_prompt(PROMPT)
+    for record in result.blocks[1:]:
+        first, end = record.video_frames
+        previous = result.frames[first - 1 : first].permute(0, 3, 1, 2)
+        seam = router.score_frames(previous, features).image_features[-1]
+        if record.source == "draft":
+            drafted = result.frames[first:end].permute(0, 3, 1, 2)
+            expected = temporal_consistency(router.score_frames(drafted, features).image_features, seam)
+            assert record.decision.temporal_score == pytest.approx(expected, abs=1e-5)

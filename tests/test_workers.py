@@ -3,6 +3,7 @@ thread or state behind after a run, an error or a cancel."""
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -215,3 +216,44 @@ def test_an_abandoned_stream_is_stopped_by_the_next_run():
                                                         height=HEIGHT, seed=5, workers=1))
     stream.close()
     assert not sdvg_threads()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resuming_an_abandoned_stream_says_why(workers):
+    """It used to hang forever with 2 workers (its tasks went to lanes whose threads had exited) and raise an empty
+    CancelledError with 1."""
+    from sdvg_engine.workers import StreamAbandoned
+
+    pipe = tiny_pipeline(tau=0.0)
+    kwargs = dict(prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5, workers=workers)
+    stream = pipe.stream(prompt_embeds(), **kwargs)
+    next(stream)
+    pipe.generate(prompt_embeds(), **kwargs)  # a newer run abandons the stream
+    done = {}
+
+    def resume():
+        try:
+            next(stream)
+        except BaseException as e:  # the test reads what was raised
+            done["error"] = e
+
+    thread = threading.Thread(target=resume, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "resuming the abandoned stream hangs"
+    assert isinstance(done.get("error"), StreamAbandoned) and "a newer run started" in str(done["error"])
+    assert not sdvg_threads()
+
+
+def test_speculation_that_finished_before_the_verdict_counts_as_dropped_seconds():
+    """Each dropped speculation's time is wasted work whether it was stopped midway or had already finished (the
+    report said 0.0 s for 12 finished target calls)."""
+    def slow(component, kind):
+        time.sleep(0.02 if component == "target" else 0.25 if component == "reward" else 0.0)
+
+    result = tiny_pipeline(tau=-math.inf).generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH,
+                                                   height=HEIGHT, seed=5, before_call=slow, workers=2)
+    schedule = result.report["schedule"]
+    assert schedule["dropped_speculative_blocks"] == 3  # blocks 1-3 kept: every speculation dropped
+    # each speculation ran its 4 denoising calls (>= 0.02 s each) before the 0.25 s verdict
+    assert schedule["dropped_speculative_seconds"] >= 3 * 4 * 0.02

@@ -107,7 +107,11 @@ class KVCache:
             return self._write_and_read_fp8(layer, begin, end, k, v)
         self.keys[layer, :, :, begin:end] = k
         self.values[layer, :, :, begin:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        read = self.geometry.compute_dtype
+        if read is not None and read != self.geometry.dtype:  # e.g. an fp32 or fp16 cache beside bf16 attention
+            keys, values = keys.to(read), values.to(read)
+        return keys, values
 
     def _write_and_read_fp8(self, layer: int, begin: int, end: int, k: torch.Tensor, v: torch.Tensor):
         out = []
