@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -286,9 +285,20 @@ def _check_attention_bias(args):
         return None
     if not 0.0 < bias <= 1.0:
         return "must be in (0, 1] (Scope uses 0.3)"
-    if args.target_context == "global_cache":
-        return ("applies to recompute-window targets only, but --target-context is global_cache; "
+    scheme = args.target_context if args.target_context != "auto" else _auto_context_scheme(args, "target")
+    if scheme == "global_cache":
+        where = "--target-context is" if args.target_context != "auto" else \
+            f"with --preset {getattr(args, 'preset', None)} the target runs"
+        return (f"applies to recompute-window targets only, but {where} global_cache; "
                 "drop --attention-bias or use --target-context recompute_window")
+    return None
+
+
+@arg_check("--offload", "generate")
+def _check_offload(args):
+    if args.offload not in (None, "none") and not str(args.device).startswith("cuda"):
+        return (f"streams transformer blocks from CPU RAM to a CUDA GPU, but --device is {args.device}; "
+                "drop --offload on a CPU run")
     return None
 
 
@@ -414,23 +424,45 @@ def _check_writable_folder(folder: Path, flag: str, shown) -> None:
 
 
 def check_output_file(path: Path, flag: str, *, overwrite: bool) -> None:
-    """An output file: not a folder, not existing (unless ``overwrite``), in a writable folder."""
+    """An output file: not a folder, not existing (unless ``overwrite``), in a writable folder. Only a regular file is
+    ever replaced: a device, FIFO or socket under that name is refused even with ``--overwrite`` (the atomic rename
+    would replace the node itself; as root that could be /dev/null)."""
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name (e.g. {path / 'report.json'})")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{flag} {path}: exists and is not a regular file (a device, FIFO or socket); it is never "
+                         "replaced: choose a file name")
     if path.exists() and not overwrite:
         raise UsageError(f"{flag} {path}: already exists; pass --overwrite to replace it or choose another name")
     _check_writable_folder(path.parent, flag, path)
 
 
-#: Names a run writes into --out; any of them already there means the folder holds an earlier run.
-OUTPUT_NAME = re.compile(r"^(video_\d{3,}(\.mp4|\.webp)?|mask_\d{3,}\.png|report\.json)$")
+#: What a run wrote into --out (file names), so that --overwrite removes an earlier set's leftovers and nothing else:
+#: a file is deleted only if this tool wrote it, never because its name looks like an output.
+MANIFEST = ".sdvg-outputs.json"
+
+
+def written_by_earlier_run(out: Path) -> list[str]:
+    """The names an earlier run in ``out`` recorded in its manifest that are still there (none if unreadable)."""
+    path = out / MANIFEST
+    try:
+        names = json.loads(path.read_text()).get("files", []) if path.is_file() else []
+    except (OSError, ValueError, AttributeError):
+        return []  # an unreadable manifest: delete nothing
+    return [n for n in names if isinstance(n, str) and n == Path(n).name and n not in (".", "..", MANIFEST)
+            and (out / n).exists()]
+
+
+def write_manifest(out: Path, names: list[str]) -> None:
+    write_text_atomic(out / MANIFEST, json.dumps({"written_by": "sdvg generate", "files": sorted(set(names))}, indent=1))
 
 
 def plan_generate_outputs(args, count: int, suffix: str) -> tuple[Path, list[tuple[Path, Path]], Path]:
     """Check ``--out`` / ``--report`` before anything loads: ``(out, [(video, mask)] * count, report)``.
 
-    A folder holding an earlier run's files is refused (naming one) unless ``--overwrite``; then the
-    stale files of the earlier set are removed after the new set is written (never a mix).
+    A folder that holds a file this run would write, or the files of an earlier run (its manifest), is refused
+    (naming one) unless ``--overwrite``; then the earlier set's other files are removed after the new set is written
+    (never a mix). Files this tool did not write are never touched, whatever their names.
     """
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
@@ -442,12 +474,21 @@ def plan_generate_outputs(args, count: int, suffix: str) -> tuple[Path, list[tup
         check_output_file(report, "--report", overwrite=args.overwrite)
         if report.resolve() in {p.resolve() for pair in files for p in pair}:
             raise UsageError(f"--report {report}: is also a video/mask output; choose another name")
+    for path in [p for pair in files for p in pair] + [report]:
+        if path.exists() and not path.is_file():
+            raise UsageError(f"--out {out}: {path.name} exists and is not a regular file; it is never replaced: "
+                             "choose another folder")
     if out.is_dir() and not args.overwrite:
-        earlier = sorted(p.name for p in out.iterdir() if OUTPUT_NAME.match(p.name))
-        if earlier:
-            more = f" (and {len(earlier) - 1} more)" if len(earlier) > 1 else ""
-            raise UsageError(f"--out {out}: already holds {earlier[0]}{more} from an earlier run; pass --overwrite to "
-                             "replace that set, or choose an empty folder")
+        clashes = sorted({p.name for pair in files for p in pair if p.exists()}
+                         | ({report.name} if report.parent.resolve() == out.resolve() and report.exists() else set()))
+        earlier = written_by_earlier_run(out)
+        if clashes or earlier:
+            first = (clashes or earlier)[0]
+            count = len(set(clashes) | set(earlier))
+            more = f" (and {count - 1} more)" if count > 1 else ""
+            what = "which this run would write" if clashes else "from an earlier run"
+            raise UsageError(f"--out {out}: already holds {first}{more}, {what}; pass --overwrite to replace that set, "
+                             "or choose an empty folder")
     return out, files, report
 
 
@@ -500,8 +541,10 @@ def _describe_other(path: Path) -> dict | None:
         scorer = load_image_reward(path)
         n = sum(p.numel() for p in scorer.model.parameters())
         return {"file": str(path), "kind": f"ImageReward reward model ({len(keys)} tensors, {n:,} parameters)"}
-    if keys is None or any(k.split(".", 1)[-1].startswith(("decoder.middle.0.residual", "decoder.up_blocks", "decoder.conv_in"))
-                           for k in keys):
+    # Original Wan keys (decoder.conv1 / middle / head) or diffusers keys (decoder.conv_in / up_blocks), with or
+    # without a prefix such as "vae." or "first_stage_model." (stripped by load_wan_vae too).
+    vae_keys = ("decoder.conv1.", "decoder.middle.0.residual", "decoder.head.", "decoder.up_blocks", "decoder.conv_in")
+    if keys is None or any(name.startswith(vae_keys) for k in keys for name in (k, k.split(".", 1)[-1])):
         from .vae import load_wan_vae
 
         vae = load_wan_vae(path)
@@ -519,10 +562,14 @@ def _read_prompts(args) -> list[str]:
         if not path.is_file():
             raise UsageError(f"--prompts-file {path}: not found or not a file")
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is not part of the first prompt
         except UnicodeDecodeError:
             raise UsageError(f"--prompts-file {path}: not a UTF-8 text file (one prompt per line)") from None
-        prompts += [line.strip() for line in text.splitlines() if line.strip()]
+        from_file = [line.strip() for line in text.splitlines() if line.strip()]
+        if not from_file:
+            # Never "no prompts, so all of --context-file": an empty list is a mistake to report.
+            raise UsageError(f"--prompts-file {path}: holds no prompts (one per line); add prompts or drop the flag")
+        prompts += from_file
     return prompts
 
 
@@ -749,11 +796,15 @@ def cmd_generate(args) -> int:
 def _finish_outputs(args, out: Path, files: list[tuple[Path, Path]], report_path: Path, reports: list[dict]) -> None:
     """Write the report (atomically); with ``--overwrite`` remove an earlier set's leftovers from ``out``."""
     write_text_atomic(report_path, json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
-    if args.overwrite and out.is_dir():
-        keep = {p.resolve() for pair in files for p in pair} | {report_path.resolve()}
-        for stale in sorted(out.iterdir()):
-            if OUTPUT_NAME.match(stale.name) and stale.resolve() not in keep and stale.is_file():
+    written = [Path(r["video"]).name for r in reports if r.get("video")] + [mask.name for _, mask in files]
+    if report_path.parent.resolve() == out.resolve():
+        written.append(report_path.name)
+    if args.overwrite:
+        for name in written_by_earlier_run(out):  # only what an earlier run of this tool wrote
+            stale = out / name
+            if name not in written and stale.is_file() and not stale.is_symlink():
                 stale.unlink()
+    write_manifest(out, written)
 
 
 # ---- bench -------------------------------------------------------------------------------------------------

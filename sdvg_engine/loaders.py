@@ -86,6 +86,14 @@ def load_pipeline(*, drafter: str | os.PathLike, target: str | os.PathLike, vae:
     from .vae import load_wan_vae
 
     presets.check_preset(preset)
+    if router_options:
+        # Checked before anything loads (the router keeps the scorer without touching it): a typo in the options
+        # should not cost the minutes a 14B takes to load.
+        try:
+            RewardRouter(None, **router_options)
+        except TypeError as e:
+            raise ValueError(f"router_options: {e}; valid keys are RewardRouter's (tau, tau_mode, accept_rate, "
+                             "aggregation, crop, temporal_weight, preprocess, prior_mean, prior_std, prior_count)") from None
     aux = aux_device or device
     streaming_vae = load_wan_vae(vae, device=aux, dtype=parse_dtype(vae_dtype))
     draft_gen = load_generator(drafter, name="drafter", dtype=dtype, device=drafter_device or device,

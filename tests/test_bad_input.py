@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def files(tmp_path_factory):
     drafter = (root / "drafter.safetensors").read_bytes()
     (bad / "truncated.safetensors").write_bytes(drafter[: len(drafter) // 2])
     (bad / "empty.safetensors").write_bytes(b"")
+    (bad / "blank_prompts.txt").write_text("\n   \n\n")
     (bad / "random.pt").write_bytes(os.urandom(4096))
     (bad / "reward_truncated.safetensors").write_bytes((root / "ImageReward.safetensors").read_bytes()[:5000])
     state = load_file(str(root / "drafter.safetensors"))
@@ -155,6 +157,13 @@ CLI_CASES = {
     "sdvg-empty-prompt": (lambda f: _gen(f, "--context-file", str(f / B / "empty_prompt.safetensors")),
                           ["empty_prompt.safetensors", "prompt 0 is empty"]),
     "prompt-not-in-context": (lambda f: _gen(f, "--prompt", "a green cone"), ["--context-file", "a green cone"]),
+    # refused before any model loads (they used to be refused only after all of them had loaded)
+    "offload-on-cpu": (lambda f: _gen(f, "--offload", "target"), ["--offload target", "CUDA GPU", "--device is cpu"]),
+    "attention-bias-native": (lambda f: _gen(f, "--preset", "native", "--attention-bias", "0.3"),
+                              ["--attention-bias 0.3", "--preset native", "global_cache"]),
+    # an empty --prompts-file beside --context-file used to generate every prompt of the context file
+    "prompts-file-blank": (lambda f: _gen(f, "--prompts-file", str(f / B / "blank_prompts.txt")),
+                           ["--prompts-file", "blank_prompts.txt", "holds no prompts"]),
     # ---- context files (read before any model) ----
     "context-nan": (lambda f: _gen(f, "--context-file", str(f / B / "nan_context.safetensors")),
                     ["nan_context.safetensors", "'context.0'", "1 NaN"]),
@@ -283,17 +292,49 @@ def test_tau_accepts_signed_infinities():
     assert args.taus == "-0.7,-inf"
 
 
+def earlier_run(out: Path, names) -> None:
+    """The files of an earlier `sdvg generate` into ``out``, with the manifest it leaves."""
+    from sdvg_engine.cli import write_manifest
+
+    for name in names:
+        (out / name).write_bytes(b"old")
+    write_manifest(out, list(names))
+
+
+def test_overwrite_never_deletes_files_this_tool_did_not_write(prepared, tmp_path, capsys):
+    """Files whose names merely look like outputs (the user's own) are neither called an earlier run nor deleted;
+    a FIFO where the report goes is refused even with --overwrite, before anything loads."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = {"video_2024.mp4": b"holiday", "mask_777.png": b"art", "video_1234": b"x"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    for extra in ([], ["--overwrite"]):
+        code = main(_gen(prepared, "--mode", "target_only", *extra, vae=prepared / "vae", out=out))
+        assert code == 0, capsys.readouterr().err
+        for name, data in mine.items():
+            assert (out / name).read_bytes() == data
+        if not extra:  # the second run replaces the first's set: a rerun without --overwrite would be refused
+            assert main(_gen(prepared, "--mode", "target_only", vae=prepared / "vae", out=out)) == 2
+            assert "video_000.webp" in capsys.readouterr().err
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    code = main(_gen(prepared, "--mode", "target_only", "--overwrite", "--report", str(fifo), vae=prepared / "vae",
+                     out=tmp_path / "out2"))
+    assert code == 2 and "not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "out2").exists()
+
+
 def test_overwrite_replaces_the_whole_earlier_set(prepared, tmp_path, capsys):
     """--overwrite into a folder with a larger earlier run: the new set replaces it, stale files go (never a mix)."""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("video_000.webp", "video_001.webp", "video_002.webp", "mask_002.png", "report.json"):
-        (out / name).write_bytes(b"old")
+    earlier_run(out, ("video_000.webp", "video_001.webp", "video_002.webp", "mask_002.png", "report.json"))
     (out / "notes.txt").write_text("mine")
     code = main(_gen(prepared, "--mode", "target_only", "--overwrite", vae=prepared / "vae", out=out))
     assert code == 0, capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "mask_001.png", "notes.txt", "report.json",
-                                                     "video_000.webp", "video_001.webp"]
+    assert sorted(p.name for p in out.iterdir()) == [".sdvg-outputs.json", "mask_000.png", "mask_001.png", "notes.txt",
+                                                     "report.json", "video_000.webp", "video_001.webp"]
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "video_000.webp").read_bytes()[:4] == b"RIFF"
     assert len(json.loads((out / "report.json").read_text())) == 2
@@ -352,7 +393,16 @@ def _api_cases(f: Path):
     from sdvg_engine.vae import load_wan_vae
 
     services = Services({"diffusion_models": [str(f)]})
+    from sdvg_engine.loaders import load_pipeline
+
+    # A drafter path that does not exist: the router options must be refused before any model file is opened.
+    pipeline_paths = dict(drafter=f / "missing_drafter.safetensors", target=f / "target.safetensors", vae=f / "vae",
+                          reward=f / "ImageReward.safetensors")
     return {
+        "pipeline-router-typo": (lambda: load_pipeline(**pipeline_paths, router_options={"taus": -0.7}), ValueError,
+                                 ["router_options", "'taus'", "tau_mode"]),
+        "pipeline-router-value": (lambda: load_pipeline(**pipeline_paths, router_options={"accept_rate": 3}), ValueError,
+                                  ["accept_rate must be in (0, 1)"]),
         "load-truncated": (lambda: load_causal_wan(f / B / "truncated.safetensors"), CheckpointError,
                            ["truncated.safetensors", "truncated or corrupt"]),
         "load-int": (lambda: load_causal_wan(f / B / "int_weights.safetensors"), CheckpointError,
@@ -382,7 +432,8 @@ def _api_cases(f: Path):
 
 API_IDS = ["load-truncated", "load-int", "inspect-missing-key", "inspect-num-heads-0", "vae-truncated", "vae-empty",
            "reward-truncated", "reward-random", "embeddings-nan", "embeddings-zero", "node-name-dotdot",
-           "node-name-absolute", "node-name-windows", "node-name-backslash-dotdot", "node-name-empty"]
+           "node-name-absolute", "node-name-windows", "node-name-backslash-dotdot", "node-name-empty",
+           "pipeline-router-typo", "pipeline-router-value"]
 
 
 @pytest.mark.parametrize("case", API_IDS)
@@ -442,8 +493,7 @@ def test_subprocess_ctrl_c_keeps_a_complete_set(prepared, tmp_path):
     and a report of that one video, and none of the earlier run's files (never a mix); other files are kept."""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("video_000.webp", "video_001.webp", "video_002.webp", "mask_001.png", "report.json"):
-        (out / name).write_bytes(b"old")
+    earlier_run(out, ("video_000.webp", "video_001.webp", "video_002.webp", "mask_001.png", "report.json"))
     (out / "notes.txt").write_text("mine")
     argv = [sys.executable, "-c", _CTRL_C_DURING_SECOND_VIDEO,
             *_gen(prepared, "--mode", "target_only", "--overwrite", vae=prepared / "vae", out=out)]
@@ -451,6 +501,7 @@ def test_subprocess_ctrl_c_keeps_a_complete_set(prepared, tmp_path):
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("sdvg generate: generation cancelled before a target call; "
                                                     f"1 finished video(s) kept in {out}")
-    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "notes.txt", "report.json", "video_000.webp"]
+    assert sorted(p.name for p in out.iterdir()) == [".sdvg-outputs.json", "mask_000.png", "notes.txt", "report.json",
+                                                     "video_000.webp"]
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["mode"] == "target_only" and report["video"] == str(out / "video_000.webp")

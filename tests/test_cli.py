@@ -114,3 +114,33 @@ def test_inspect_validates_vae_and_reward_like_their_loaders(files, tmp_path, ca
     assert main(["inspect", str(tmp_path / "reward_missing.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "reward_missing.safetensors: not an ImageReward-v1.0-compatible state dict" in err and "mlp.layers.0.weight" in err
+
+
+@pytest.mark.parametrize("layout", ["original", "diffusers"])
+def test_inspect_accepts_the_single_file_vaes_generate_accepts(files, tmp_path, capsys, layout):
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import save_file
+
+    from node_fixtures import original_state_dict
+    from sdvg_engine.vae import load_wan_vae
+
+    vae = AutoencoderKLWan.from_pretrained(str(files / "vae"))
+    state = original_state_dict(vae) if layout == "original" else vae.state_dict()
+    path = tmp_path / f"wan_vae_{layout}.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    load_wan_vae(path)  # what generate --vae does
+    assert main(["inspect", str(path)]) == 0
+    assert "Wan VAE (z_dim 16, base_dim 8)" in capsys.readouterr().out
+    prefixed = tmp_path / f"wan_vae_{layout}_prefixed.safetensors"
+    save_file({f"first_stage_model.{k}": v.contiguous() for k, v in state.items()}, str(prefixed))
+    assert main(["inspect", str(prefixed)]) == 0
+
+
+def test_a_prompts_file_with_a_bom_reads_the_first_prompt_as_typed(tmp_path):
+    from types import SimpleNamespace
+
+    from sdvg_engine.cli import _read_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffa red ball\r\na paper boat\n".encode("utf-8"))
+    assert _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(path))) == ["a red ball", "a paper boat"]
