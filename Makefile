@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test demo bench clean e2e
+.PHONY: venv test demo bench clean e2e gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench: venv
 # The pack in a real ComfyUI (COMFYUI_PATH=<checkout>) and its UI workflows in the real frontend: see scripts/e2e.sh.
 e2e:
 	bash scripts/e2e.sh
+
+# On a lent GPU: the CUDA-only tests and bench/real_size.py (resident, fp8, offload, 2 lanes) in <= 9 min -> outputs/gpu_check/.
+gpu-check: venv
+	$(VPY) scripts/gpu_check.py --out outputs/gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -154,6 +154,9 @@ def main():
     p.add_argument("--offload", choices=("none", "target", "both"), default="none",
                    help="stream the target's (both: and the drafter's) blocks from pinned CPU RAM (needs CUDA)")
     p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto", help="KV cache storage dtype")
+    p.add_argument("--workers", type=int, choices=(1, 2), default=1,
+                   help="2: the target on a lane of its own beside the drafter side, on the one device (CUDA streams "
+                        "are not used; the lanes are threads)")
     args = p.parse_args()
     if args.offload != "none" and not args.tiny and not torch.cuda.is_available():
         p.error("--offload streams transformer blocks from CPU RAM to a CUDA GPU, and no CUDA device is visible; "
@@ -178,7 +181,7 @@ def main():
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         report = pipe.generate(ctx, prompt="a cat", num_frames=frames, width=width, height=height, seed=42,
-                               options=SDVGOptions(mode=mode)).report
+                               options=SDVGOptions(mode=mode), workers=args.workers).report
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         return report, peak
 
@@ -194,7 +197,8 @@ def main():
           f"{width}x{height}, {frames} frames = {args.blocks} blocks, {name}, "
           f"{str(target.dtype).replace('torch.', '')}{' + fp8 target blocks' if args.fp8 and not args.tiny else ''}"
           f"{f', offload {args.offload}' if args.offload != 'none' else ''}"
-          f"{f', KV {args.kv_dtype}' if args.kv_dtype != 'auto' else ''})\n")
+          f"{f', KV {args.kv_dtype}' if args.kv_dtype != 'auto' else ''}"
+          f"{f', {args.workers} workers' if args.workers != 1 else ''})\n")
     print("| component, per block | seconds |\n|---|---|")
     for k, v in per_block.items():
         print(f"| {k} | {v:.4f} |")

@@ -17,3 +17,23 @@ def test_real_size_tiny_prints_both_tables(tmp_path):
     for label in ("target-only", "draft-only", "SDVG 0/2 accepted", "SDVG 2/2 accepted (100.0%)"):
         assert f"| {label}" in proc.stdout
     assert out.stat().st_size > 0
+
+
+def test_gpu_check_tiny_writes_its_json_and_table(tmp_path):
+    """`make gpu-check`'s CPU mode: the CUDA-only test selection (all skipped here) and every real_size configuration
+    (resident, fp8, offload + fp8 KV, 2 lanes), one JSON and one markdown table."""
+    import json
+
+    script = BENCH.parent / "scripts" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["tests"]["ok"] and report["tests"]["counts"].get("skipped", 0) >= 3
+    assert report["tests"]["counts"].get("passed", 0) == 0  # nothing but the CUDA-only tests was selected
+    assert [row["config"] for row in report["bench"]] == ["resident bf16", "fp8 target",
+                                                          "fp8 target + offload + fp8 KV (one consumer GPU)",
+                                                          "2 lanes on one GPU"]
+    assert all(row["returncode"] == 0 and len(row["result"]["runs"]) == 6 for row in report["bench"])
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| 2 lanes on one GPU | SDVG 2/2 accepted (100.0%) |" in table

@@ -248,8 +248,8 @@ def test_generate_with_offload_on_the_cpu_fails_with_the_explanation(tmp_path, c
               "--vae", str(root / "vae"), "--context-file", str(root / "embeds.safetensors"), "--mode", "target_only",
               "--device", "cpu", "--dtype", "fp32", "--frames", "9", "--width", "48", "--height", "32",
               "--out", str(tmp_path / "out")]
-    assert main(common + ["--offload", "both"]) != 0
-    assert ("streams the drafter's transformer blocks from CPU RAM to a CUDA GPU, but the drafter runs on 'cpu'"
+    assert main(common + ["--offload", "both"]) == 2  # refused before any model loads
+    assert ("--offload both: streams transformer blocks from CPU RAM to a CUDA GPU, but --device is cpu"
             in capsys.readouterr().err)
     assert main(common + ["--vram-gb", "24"]) == 2  # one line, exit 2, like every other CLI error
     err = capsys.readouterr().err
