@@ -82,6 +82,10 @@ def main():
     print(f"| target 14B weights, bf16 | {target_bf16 / GiB:.2f} |")
     print(f"| target 14B weights, fp8 blocks (`--fp8-target`) | {target_fp8 / GiB:.2f} |")
     print(f"| UMT5-XXL encoder (bf16; not needed with `--context-file`) | {5.68e9 * 2 / GiB:.2f} |")
+    from sdvg_engine.memo import DEFAULT_MAX_BYTES, recording_bytes
+
+    print(f"| host RAM: one replay recording, {args.frames} frames (interactive tau; cap `SDVG_REPLAY_GB`, "
+          f"default {DEFAULT_MAX_BYTES / GiB:.0f}) | {recording_bytes(args.width, args.height, args.frames) / GiB:.2f} |")
     common = sum(items.values())
     gpu0_target = items["target KV cache (recompute window, 6 frames)"] + items["activations (estimate)"]
     rest = common - gpu0_target

@@ -53,6 +53,17 @@ def _cpu(value, copies: dict | None = None):
     return value
 
 
+def recording_bytes(width: int = 832, height: int = 480, num_frames: int = 81, *, latent_channels: int = 16,
+                    frames_per_block: int = 3, feature_dim: int = 1024) -> int:
+    """Host bytes of one recording of a ``num_frames`` video (closed form; ``tests/test_replay_real_size.py`` checks
+    it against a recording built by the real code at that size): per block its float32 latents, its decoded float32
+    frames and one seam feature vector (BLIP ViT-L: 1024)."""
+    latent_frames = (num_frames - 1) // 4 + 1
+    blocks = latent_frames // frames_per_block
+    latents = latent_channels * latent_frames * (height // 8) * (width // 8) * 4
+    return latents + num_frames * 3 * height * width * 4 + blocks * feature_dim * 4
+
+
 @dataclass(frozen=True)
 class RecordedBlock:
     """One finished block and the state right after it (CPU tensors; never changed once recorded)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sdvg_engine.context import GlobalCache, RecomputeWindow
-from sdvg_engine.memo import DEFAULT_MAX_BYTES, RecordedBlock, Recording, ReplayMemo, _cpu
+from sdvg_engine.memo import DEFAULT_MAX_BYTES, RecordedBlock, Recording, ReplayMemo, _cpu, recording_bytes
 from sdvg_engine.pipeline import video_frames_to_latent_frames
 
 WIDTH, HEIGHT, FRAMES = 832, 480, 81
@@ -47,7 +47,8 @@ REAL_SIZE_BYTES = 7 * 16 * 3 * 60 * 104 * 4 + 81 * 3 * 480 * 832 * 4 + 7 * FEATU
 @pytest.mark.parametrize("scheme, expected", [("global_cache", REAL_SIZE_BYTES), ("recompute_window", REAL_SIZE_BYTES)])
 def test_a_real_size_recording_fits_the_default_cap(scheme, expected):
     recording = recording_at_real_size(scheme)
-    assert recording.nbytes == expected  # each tensor once, however many snapshots reference it
+    assert recording.nbytes == expected == recording_bytes(WIDTH, HEIGHT, FRAMES)  # each tensor once, however many
+    # snapshots reference it; recording_bytes is the closed form bench/memory_plan.py prints
     assert recording.nbytes < DEFAULT_MAX_BYTES / 10  # 397 MB
     memo = ReplayMemo()
     assert memo.store(recording) and memo.nbytes == expected
