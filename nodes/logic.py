@@ -501,7 +501,7 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                 reward_prompt: str = "", width: int = 832, height: int = 480, length: int = 81, seed: int = 42,
                 mode: str = "sdvg", force_first_block: bool = True, refine_from_step: int = 0, cascade: bool = False,
                 random_accept_prob: float = 0.73, services: Services | None = None, preset: str = "reference",
-                workers: str = "auto", replay: bool = True) -> SamplerOutput:
+                workers: str = "auto", replay: bool = True, schedule_every: int = 3) -> SamplerOutput:
     """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here.
 
     With ``replay`` the module's :data:`REPLAY_MEMO` carries earlier runs across executions, so a run that
@@ -537,7 +537,8 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                              "SDVG Load Prompt Embeddings' prompt output.")
     options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
                           random_accept_prob=float(random_accept_prob),
-                          refine_from_step=int(refine_from_step) or None, cascade=bool(cascade))
+                          refine_from_step=int(refine_from_step) or None, cascade=bool(cascade),
+                          schedule_every=int(schedule_every))
 
     stream, vae_patcher = streaming_vae(vae, services)
     # Per-run objects: the cached SDVG_MODEL / SDVG_ROUTER values are never modified.

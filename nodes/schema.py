@@ -34,7 +34,7 @@ EMBEDDINGS_FOLDERS = ("sdvg_embeddings",)
 
 PRESETS = ("reference", "native")
 WORKER_CHOICES = ("auto", "1", "2")
-MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random")
+MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random", "schedule")
 CONTEXT_SCHEMES = ("auto", "global_cache", "recompute_window")
 DRAFTER_DTYPES = ("bf16", "fp16", "fp32")
 TARGET_DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -232,7 +232,9 @@ SAMPLER = NodeSpec(
         InputSpec("mode", "COMBO", options=MODES, default="sdvg",
                   tooltip="sdvg: draft, score, keep or regenerate. target_only / draft_only: one model for every "
                           "block (baselines). first_block_only: the target makes block 0, every later draft is kept. "
-                          "random: keep drafts with probability random_accept_prob (ablation)."),
+                          "random: keep drafts with probability random_accept_prob (ablation). schedule: the target "
+                          "makes block 0 and every schedule_every-th block, decided before drafting (no reward model, "
+                          "the drafter never runs on those blocks)."),
         InputSpec("force_first_block", "BOOLEAN", default=True,
                   tooltip="Let the target generate block 0 without drafting it (it anchors the whole video). "
                           "Ignored by draft_only."),
@@ -263,6 +265,10 @@ SAMPLER = NodeSpec(
                           "first decision that flips is taken as it was, so moving tau costs only the tail (identical "
                           "output to a fresh run). Kept in CPU RAM (at most SDVG_REPLAY_GB, default 4), released "
                           "when the models change."),
+        InputSpec("schedule_every", "INT", default=3, min=0, max=64, optional=True,
+                  tooltip="Mode 'schedule': the target generates block 0 and blocks k, 2k, ... (k = this value), "
+                          "decided before drafting; every other block is the drafter's, kept unscored. 0 = only "
+                          "block 0 (as first_block_only)."),
     ),
     outputs=(
         OutputSpec("frames", "IMAGE", "Decoded video frames [T, H, W, 3], 0..1."),

@@ -200,7 +200,7 @@ def pareto_plot(summary: list[dict], path: Path, *, quality_key: str = "reward_m
     draw.text((left, bottom + 20), f"wall time per video (s): {x0:.2f} .. {x1:.2f}", fill="black")
     draw.text((5, 5), f"{quality_key}: {y0:+.3f} .. {y1:+.3f}", fill="black")
     colours = {"sdvg": (30, 110, 220), "target_only": (200, 40, 40), "draft_only": (40, 160, 60),
-               "first_block_only": (200, 130, 20), "random": (130, 60, 170)}
+               "first_block_only": (200, 130, 20), "random": (130, 60, 170), "schedule": (60, 150, 150)}
     sdvg = sorted((s for s in summary if s["mode"] == "sdvg"), key=lambda s: s["wall"])
     if len(sdvg) > 1:
         draw.line([to_px(s["wall"], s[quality_key]) for s in sdvg], fill=colours["sdvg"], width=2)

@@ -235,6 +235,11 @@ def _check_tau(args):
     return "NaN is not a threshold; use a number, -inf or inf" if math.isnan(args.tau) else None
 
 
+@arg_check("--schedule-every", "generate")
+def _check_schedule_every(args):
+    return None if args.schedule_every >= 0 else "must be a whole number >= 0 (0 = only block 0 by the target)"
+
+
 @arg_check("--random-p", "generate")
 def _check_random_p(args):
     return None if 0.0 <= args.random_p <= 1.0 else "must be a probability in [0, 1]"
@@ -723,7 +728,8 @@ def cmd_generate(args) -> int:
     from .video_io import atomic_output, mask_strip, write_video
 
     options = SDVGOptions(mode=args.mode, force_first_block=args.force_first_block, random_accept_prob=args.random_p,
-                          refine_from_step=args.refine_from_step, cascade=args.cascade)
+                          refine_from_step=args.refine_from_step, cascade=args.cascade,
+                          schedule_every=args.schedule_every)
     num_blocks = video_frames_to_latent_frames(args.frames) // 3
     taus = parse_taus(args.taus) if args.taus else [args.tau]
     # Everything that can be checked without a model is checked before the first load.
@@ -940,6 +946,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="sdvg")
     p.add_argument("--force-first-block", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--random-p", type=finite_float, default=0.73, help="acceptance probability of --mode random")
+    p.add_argument("--schedule-every", type=int, default=3,
+                   help="--mode schedule: the target makes block 0 and every k-th block (decided before drafting; no "
+                        "reward model needed); 0 = only block 0")
     p.add_argument("--refine-from-step", type=int, default=None, help="hybrid regeneration from the drafter's step k")
     p.add_argument("--cascade", action="store_true", help="cascade scoring (4 frames first)")
     p.add_argument("--out", default="outputs")

@@ -44,7 +44,7 @@ from .sampling import NoiseSource, SeededNoise
 from .memo import Recording, RecordedBlock, ReplayMemo, _cpu, plan_replay
 from .workers import COMPONENTS, StoppedByOtherWorker, Workers, plan_lanes, wait
 
-MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random")
+MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random", "schedule")
 TEXT_LEN = 512
 
 
@@ -70,13 +70,16 @@ class CancelToken:
 class SDVGOptions:
     """Routing options of one run (all JSON-serialisable; they go into the report).
 
-    mode: ``sdvg`` | ``target_only`` | ``draft_only`` | ``first_block_only`` | ``random``.
+    mode: ``sdvg`` | ``target_only`` | ``draft_only`` | ``first_block_only`` | ``random`` | ``schedule``.
     force_first_block: block 0 by the target (default on; ignored by ``draft_only``).
     random_accept_prob: acceptance probability ``p`` of ``random`` mode.
     refine_from_step: hybrid regeneration: on reject the target continues from the drafter's
         state after this many steps (the reference's best is 3); ``None`` = full regeneration.
     cascade: score ``cascade_frames`` evenly spaced frames first; with ``min`` aggregation a partial
         minimum below tau rejects exactly; accept early only above ``tau + cascade_margin``.
+    schedule_every: ``schedule`` mode: the target generates block 0 and every ``k``-th block (``k, 2k, ...``),
+        decided before drafting, so the drafter never runs on them and nothing is decoded twice or scored; the
+        drafter's blocks are kept unscored. ``0``: only block 0 (as ``first_block_only``).
     """
 
     mode: str = "sdvg"
@@ -86,12 +89,16 @@ class SDVGOptions:
     cascade: bool = False
     cascade_frames: int = 4
     cascade_margin: float = 0.5
+    schedule_every: int = 3
 
     def validate(self, router: RewardRouter | None) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "sdvg" and router is None:
             raise ValueError("mode 'sdvg' needs a reward router (ImageReward); use another mode without one")
+        if isinstance(self.schedule_every, bool) or not isinstance(self.schedule_every, int) or self.schedule_every < 0:
+            raise ValueError(f"schedule_every must be a whole number >= 0 (0 = only block 0 by the target), "
+                             f"got {self.schedule_every!r}")
         if not 0.0 <= self.random_accept_prob <= 1.0:
             raise ValueError(f"random_accept_prob must be in [0, 1], got {self.random_accept_prob}")
         if self.cascade and self.mode == "sdvg":
@@ -275,6 +282,9 @@ class SpeculativePipeline:
     # ---- steps of the loop --------------------------------------------------------------------------
     @staticmethod
     def _target_generates(opts: SDVGOptions, b: int) -> bool:
+        """Whether the target makes block ``b`` without a draft: decided before drafting, from the options alone."""
+        if opts.mode == "schedule" and opts.schedule_every > 0 and b > 0 and b % opts.schedule_every == 0:
+            return True
         return opts.mode == "target_only" or (b == 0 and opts.force_first_block and opts.mode != "draft_only")
 
     def _draft(self, run, b) -> BlockSample:
@@ -322,7 +332,7 @@ class SpeculativePipeline:
     def _route(self, run, b, decoded) -> RouteDecision | None:
         """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
         mode = run.options.mode
-        if mode in ("draft_only", "first_block_only"):
+        if mode in ("draft_only", "first_block_only", "schedule"):
             return None
         if mode == "random":
             return run.random_router.decide_block(b)

@@ -238,3 +238,11 @@ def test_run_node_fills_defaults_and_names_bad_inputs(models):
                          context_scheme="auto")
     model, = out.outputs
     assert model.describe()["dtype"] == "fp32" and "offload" not in model.describe()
+
+
+def test_schedule_mode_runs_without_a_router_input(executor):
+    prompt = workflow("sdvg_prompt_embeddings", length=LONG, seed=17, mode="schedule", schedule_every=2)
+    result = executor.queue(prompt)
+    *_, report, _ = sampler_outputs(prompt, result)
+    assert report["decisions"] == ["target", "draft", "target", "draft", "target"]
+    assert nid(prompt, "SDVGRewardRouter") not in result.executed + result.cached  # lazy: never evaluated
