@@ -60,8 +60,10 @@ def test_generate_writes_videos_masks_and_report(files, tmp_path, mode, capsys):
         assert np.array_equal(strip, expected), i
         with Image.open(out / f"video_{i:03d}.webp") as im:
             assert (im.size, im.n_frames) == ((WIDTH, HEIGHT), 21)
-    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "mask_001.png", "report.json", "video_000.webp",
-                                                     "video_001.webp"]  # no temporary files left
+    assert sorted(p.name for p in out.iterdir()) == [".sdvg-outputs.json", "mask_000.png", "mask_001.png", "report.json",
+                                                     "video_000.webp", "video_001.webp"]  # no temporary files left
+    manifest = json.loads((out / ".sdvg-outputs.json").read_text())  # what --overwrite may later remove
+    assert manifest["files"] == ["mask_000.png", "mask_001.png", "report.json", "video_000.webp", "video_001.webp"]
     err = capsys.readouterr().err
     assert "block 2/2" in err
     if mode == "sdvg":
@@ -94,7 +96,7 @@ def test_generate_tau_minus_inf_keeps_every_draft(files, tmp_path):
     assert code == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["decisions"] == ["target", "draft", "draft"] and report["settings"]["tau"] == "-inf"
-    assert sorted(p.name for p in out.iterdir()) == ["mask_000.png", "video_000.webp"]
+    assert sorted(p.name for p in out.iterdir()) == [".sdvg-outputs.json", "mask_000.png", "video_000.webp"]
 
 
 def test_inspect_validates_vae_and_reward_like_their_loaders(files, tmp_path, capsys):

@@ -89,6 +89,20 @@ def test_tree_paths_are_the_pipelines_outputs(models, built):
     assert len({leaf for _, leaf in seen}) >= 3  # the routers reach different leaves
 
 
+def test_schedule_leaves_are_the_pipelines_schedule_runs(models, built):
+    """Mode schedule walked on the tree (its leaf is fixed by k) is the pipeline's schedule run, bit for bit."""
+    for (caption, seed), (tree, frames) in built.items():
+        for every in (0, 1, 2):
+            leaf = T.schedule_leaf(tree.num_decisions, every)
+            pipe = demo.build_pipeline(models, preset="native")
+            result = pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
+                                   seed=seed, options=SDVGOptions(mode="schedule", schedule_every=every))
+            assert torch.equal(frames[leaf], result.frames), (caption, every)
+            assert result.report["decisions"][1:] == ["draft" if leaf >> i & 1 else "target"
+                                                      for i in range(tree.num_decisions)]
+            assert tree.leaves[leaf]["quality"] == clip_metrics(result.frames.numpy(), caption)["quality"]
+
+
 def test_tree_under_the_reference_preset_too(models):
     caption, seed = CLIPS[0]
     tree, frames = T.TreeBuilder(models, preset="reference", num_frames=FRAMES).build(caption, seed, keep_frames=True)
@@ -184,6 +198,16 @@ def test_analysis_and_bootstrap():
     rel = a["modes"]["relative"][-1]  # tau=+inf: all rejected, 1 + 2 scored target blocks per clip
     assert rel["counts"]["score"] == 8 * (3 + 3)
     assert "no setting" in T.format_report(a) or "averaged over acceptance" in T.format_report(a)
+    # schedule rows: k = 0..3 on 3 decisions; its leaf by hand, no draft/decode/score paid on a target block
+    assert [T.schedule_leaf(3, k) for k in range(4)] == [0b111, 0b000, 0b101, 0b011]
+    sched = {r["setting"]: r for r in a["modes"]["schedule"]}
+    assert sorted(sched) == [0, 1, 2, 3]
+    assert sched[2]["acceptance"] == pytest.approx(2 / 3)
+    assert sched[2]["quality"] == pytest.approx(np.mean([t.leaves[0b101]["quality"] for t in trees]))
+    assert sched[2]["counts"] == {"drafter": 16.0, "target": 16.0, "decode": 32.0, "score": 0.0}
+    cost = 16 * 0.02 + 16 * 0.1 + 32 * 0.04
+    assert sched[2]["speedup"] == pytest.approx(8 * 4 * 0.14 / cost)
+    assert sched[1]["speedup"] == pytest.approx(1.0)  # every block by the target: exactly target-only
 
 
 def test_main_caches_shards_and_merges(tmp_path):

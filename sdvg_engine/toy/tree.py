@@ -348,6 +348,28 @@ def evaluate(trees, router: RewardRouter) -> dict:
     }
 
 
+def schedule_leaf(num_decisions: int, every: int) -> int:
+    """The leaf of mode ``schedule`` (:class:`sdvg_engine.pipeline.SDVGOptions.schedule_every`): block ``b`` (1..n) is
+    the drafter's unless ``every > 0`` and ``b % every == 0``; bit ``b - 1`` set = the draft kept."""
+    return sum(1 << (b - 1) for b in range(1, num_decisions + 1) if not (every > 0 and b % every == 0))
+
+
+def evaluate_schedule(trees, every: int) -> dict:
+    """Per-clip results of ``schedule`` mode on ``trees``, as :func:`evaluate`. Its decisions come before drafting:
+    the drafter runs only on its own blocks, every block is decoded once, nothing is scored."""
+    n = trees[0].num_decisions
+    leaf = schedule_leaf(n, every)
+    accepted = bin(leaf).count("1")
+    N = len(trees)
+    return {
+        "quality": np.array([t.leaves[leaf]["quality"] for t in trees]),
+        "accepted": np.full(N, float(accepted)),
+        "leaves": [leaf] * N,
+        "counts": {"drafter": np.full(N, float(accepted)), "target": np.full(N, 1.0 + n - accepted),
+                   "decode": np.full(N, 1.0 + n), "score": np.zeros(N)},
+    }
+
+
 def _speedup(counts: dict, num_blocks: int, num_clips: int, seconds: dict | None) -> float | None:
     """Cost-model speedup over target-only from block counts and per-block seconds (one worker, summed over clips)."""
     if not seconds:
@@ -401,10 +423,14 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
         "draft_only": {"quality": float(clips.draft_only.mean()), "ci": _ci(W @ clips.draft_only / N)},
         "modes": {}, "average_in_band": {}, "band": list(band),
     }
-    for mode, values in grids.items():
+    # mode "schedule" (decided before drafting, one row per k) beside the routers' grids
+    every = range(0, n + 1)
+    jobs = [(m, [(v, lambda v=v, m=m: evaluate(trees, tree_router(m, v, aggregation=aggregation))) for v in values])
+            for m, values in grids.items()] + [("schedule", [(k, lambda k=k: evaluate_schedule(trees, k)) for k in every])]
+    for mode, settings in jobs:
         rows, in_band, in_band_boot = [], [], []
-        for value in values:
-            result = evaluate(trees, tree_router(mode, value, aggregation=aggregation))
+        for value, run in settings:
+            result = run()
             q, a = result["quality"], result["accepted"]
             p = float(a.sum() / (N * n))
             random = float(np.mean(clips.coef @ _bernstein(p, n)))
@@ -414,7 +440,7 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
             random_r = np.einsum("rk,rk->r", W @ clips.coef, _bernstein(p_r, n)) / N
             diff_r = q_r - random_r
             row = {
-                "setting": settings_json(float(value)), "acceptance": p, "quality": float(q.mean()), "quality_ci": _ci(q_r),
+                "setting": value if isinstance(value, int) else settings_json(float(value)), "acceptance": p, "quality": float(q.mean()), "quality_ci": _ci(q_r),
                 "random_quality": random, "router_minus_random": float(q.mean()) - random,
                 "router_minus_random_ci": _ci(diff_r),
                 "quality_ratio_to_target": float(q.mean() / clips.target_only.mean()) if clips.target_only.mean() > 0 else None,
