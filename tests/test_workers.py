@@ -257,3 +257,19 @@ def test_speculation_that_finished_before_the_verdict_counts_as_dropped_seconds(
     assert schedule["dropped_speculative_blocks"] == 3  # blocks 1-3 kept: every speculation dropped
     # each speculation ran its 4 denoising calls (>= 0.02 s each) before the 0.25 s verdict
     assert schedule["dropped_speculative_seconds"] >= 3 * 4 * 0.02
+
+
+@pytest.mark.parametrize("mode", ["target_only", "draft_only", "first_block_only", "schedule"])
+def test_two_workers_never_speculate_where_no_draft_is_judged(mode):
+    """Only sdvg and random judge a draft after drafting it; in every other mode a speculative target block could only
+    be thrown away (a seeded bug doing it kept the outputs equal with 4x the target calls)."""
+    runs = {}
+    for workers in (1, 2):
+        pipe = tiny_pipeline(tau=0.0)
+        result = pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5,
+                               options=SDVGOptions(mode=mode, schedule_every=2), workers=workers)
+        runs[workers] = (result, dict(pipe.target.calls), dict(pipe.drafter.calls))
+    (one, target_one, drafter_one), (two, target_two, drafter_two) = runs[1], runs[2]
+    assert_same(one, two)
+    assert two.report["schedule"]["speculative_target_blocks"] == 0
+    assert target_two == target_one and drafter_two == drafter_one

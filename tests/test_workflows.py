@@ -144,7 +144,8 @@ FROZEN_WIDGETS = {
     "SDVGRewardRouter": ["reward_model", "tau", "aggregation", "crop", "temporal_weight", "tau_mode", "accept_rate",
                          "preprocess"],
     "SDVGSpeculativeSampler": ["reward_prompt", "width", "height", "length", "seed", "mode", "force_first_block",
-                               "refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay"],
+                               "refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay",
+                               "schedule_every"],
     "SDVGLoadPromptEmbeddings": ["embeddings_file", "index"],
 }
 
@@ -181,14 +182,16 @@ def test_loop_options_are_optional_trailing_inputs_with_engine_defaults():
 
     inputs = schema.SAMPLER.inputs
     optional_widgets = [i.name for i in inputs if i.optional and i.is_widget]
-    assert optional_widgets == ["refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay"]
-    assert [i.name for i in inputs[-6:]] == optional_widgets
+    assert optional_widgets == ["refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay",
+                                "schedule_every"]
+    assert [i.name for i in inputs[-7:]] == optional_widgets
     from sdvg_engine.presets import DEFAULT_PRESET, PRESETS
 
     assert schema.SAMPLER.input("preset").default == DEFAULT_PRESET and tuple(schema.PRESETS) == PRESETS
     defaults = SDVGOptions()
     assert schema.SAMPLER.input("cascade").default == defaults.cascade
     assert schema.SAMPLER.input("random_accept_prob").default == defaults.random_accept_prob
+    assert schema.SAMPLER.input("schedule_every").default == defaults.schedule_every
     assert defaults.refine_from_step is None and schema.SAMPLER.input("refine_from_step").default == 0  # 0 = off
     assert schema.SAMPLER.input("force_first_block").default == defaults.force_first_block
     assert tuple(schema.MODES) == tuple(__import__("sdvg_engine.pipeline", fromlist=["MODES"]).MODES)
