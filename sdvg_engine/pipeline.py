@@ -435,7 +435,7 @@ class SpeculativePipeline:
         now = run.timer.seconds
         record.seconds = {k: v - run.block_seconds.get(k, 0.0) for k, v in now.items() if v - run.block_seconds.get(k, 0.0) > 0}
         run.block_seconds = dict(now)
-        if run.recording is not None:
+        if run.recording is not None and not run.recording_full:  # past the cap: no host copies for nothing
             self._record(run, RecordedBlock(
                 index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
                 latents=run.latents[-1], num_frames=decoded.pixels.shape[2],
