@@ -26,7 +26,6 @@ Every schedule gives bit-identical outputs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import sys
 import time
@@ -42,6 +41,8 @@ from .report import BlockRecord, ComponentTimer, Lap, build_report
 from .router import RandomRouter, RewardRouter, RouteDecision, TauState, temporal_consistency
 from .sampling import NoiseSource, SeededNoise
 from .memo import Recording, RecordedBlock, ReplayMemo, _cpu, plan_replay
+from .replay_key import replay_key
+from .replay_key import model_identity as _model_identity, weights_fingerprint as _weights_fingerprint  # noqa: F401 (older imports)
 from .workers import COMPONENTS, StoppedByOtherWorker, Workers, plan_lanes, wait
 
 MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random", "schedule")
@@ -553,7 +554,7 @@ class SpeculativePipeline:
         lanes = plan_lanes(opts.mode, devices, workers)
         memo_key = None
         if self.memo is not None and noise is None:
-            memo_key = self._memo_key(prompt_embeds, prompt, num_frames, width, height, seed, opts, devices)
+            memo_key = replay_key(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices)
 
         run = _Run(options=opts, num_blocks=num_blocks, noise=noise or SeededNoise(seed), cancel=cancel,
                    before_call=before_call, prompt=prompt, seed=seed, width=width, height=height, num_frames=num_frames,
@@ -637,22 +638,6 @@ class SpeculativePipeline:
         return SDVGResult(frames=torch.cat(run.frames), latents=torch.cat(run.latents, dim=2),
                           acceptance_mask=torch.cat(run.mask), blocks=records, report=report)
 
-    def _memo_key(self, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices) -> tuple:
-        """Every input of a run except the router's tau settings (tau, tau mode, target rate, prior) and the
-        workers, which do not change outputs."""
-        text = prompt_embeds.detach().float().cpu().contiguous()
-        options = asdict(opts)
-        models = tuple(_model_identity(g) for g in (self.drafter, self.target))
-        router = None
-        if self.router is not None:
-            router = tuple(sorted((k, str(v)) for k, v in self.router.settings().items()
-                                  if k not in ("tau", "tau_mode", "accept_rate", "prior_mean", "prior_std", "prior_count")))
-            # Relative recordings hold the scores of committed target blocks, which other modes never compute.
-            router += (id(self.router.scorer), self.router.tau_mode == "relative")
-        vae = (id(self.vae.vae) if hasattr(self.vae, "vae") else id(self.vae), str(getattr(self.vae, "dtype", "")))
-        return (hashlib.sha256(text.numpy().tobytes()).hexdigest(), tuple(text.shape), prompt, num_frames, width, height,
-                seed, tuple(sorted(options.items())), models, router, vae, tuple(sorted((k, str(v)) for k, v in devices.items())))
-
     def _target_only_seconds(self, num_blocks: int) -> float | None:
         """What the target's model calls of an all-target video would cost, from this run's per-call times.
 
@@ -709,40 +694,6 @@ class _Decoded(NamedTuple):
     vae_before: object
     pixels: torch.Tensor
     lap: Lap
-
-
-def _model_identity(gen: CausalGenerator) -> tuple:
-    """Which weights, schedule and context a generator runs.
-
-    The weights are identified by content (:func:`_weights_fingerprint`), not by storage: ComfyUI loads models under
-    ``torch.inference_mode()`` (inference tensors have no version counter) and moves them between devices between
-    queues (new storage, same weights)."""
-    weights = _weights_fingerprint(gen.model)
-    context = tuple(sorted((k, str(v)) for k, v in vars(gen.context).items() if isinstance(v, (int, float, str, type(None)))
-                           and k in ("max_frames", "context_frames", "attention_bias")))
-    kv_dtype = str(getattr(gen.model, "kv_cache_dtype", None) or getattr(gen.model, "compute_dtype", ""))
-    return (id(gen.model), weights, gen.schedule.timesteps, gen.schedule.shift, kv_dtype, gen.context.name, context,
-            gen.frames_per_block)
-
-
-def _weights_fingerprint(model: torch.nn.Module, samples: int = 512) -> tuple:
-    """Shape, dtype and a hash of ``samples`` evenly strided values of the first, middle and last parameter: the same
-    for the same weights on any device (and under inference mode), different after a reload of other weights or an
-    in-place change of those tensors. Costs three small device-to-host copies."""
-    params = list(model.parameters())
-    if not params:
-        return ()
-    picked = {0: params[0], len(params) // 2: params[len(params) // 2], len(params) - 1: params[-1]}
-    out = []
-    for i, p in sorted(picked.items()):
-        flat = p.data.reshape(-1)  # .data: no version counter involved, whatever mode made the tensor
-        if flat.is_meta:
-            digest = "meta"
-        else:
-            values = flat[:: max(1, flat.numel() // samples)][:samples].float().cpu()
-            digest = hashlib.sha1(values.numpy().tobytes()).hexdigest()
-        out.append((i, tuple(p.shape), str(p.dtype), digest))
-    return tuple(out)
 
 
 def _json_number(x: float):
