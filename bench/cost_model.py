@@ -360,7 +360,9 @@ def _at(value, b: int) -> float:
 class ScheduleOptions:
     """What a schedule runs. ``draft_steps``/``target_steps``: denoising calls per block (engine: 4 / 5; the reference:
     5 / 5). ``hybrid_k``: on reject the target continues from the drafter's state after k steps, so it runs
-    ``target_steps - k`` calls. ``placement`` (overlapped only): component -> worker; the target needs its own."""
+    ``target_steps - k`` calls. ``placement`` (overlapped only): component -> worker; the target needs its own.
+    ``verify=False`` (sequential only): the decisions come before drafting (mode ``schedule``, ``random``), so a
+    target block costs the target alone and a kept draft is drafted and decoded, never scored."""
 
     blocks: int = 9
     draft_steps: int = 4
@@ -369,6 +371,7 @@ class ScheduleOptions:
     placement: dict[str, str] = field(default_factory=lambda: {"target": "gpu0", "draft": "gpu1", "decode": "gpu1", "score": "gpu1"})
     speculate_draft: bool = True
     target_speculates: bool = True
+    verify: bool = True
 
     def target_calls_on_reject(self) -> int:
         if self.hybrid_k is None:
@@ -403,6 +406,12 @@ def sequential_time(times: dict, accepts: Sequence[bool], opts: ScheduleOptions,
             if reference:
                 t += opts.draft_steps * dc + decode + score
             t += opts.target_steps * tc + decode
+            continue
+        if not opts.verify and not reference:  # decided before drafting: one model per block, nothing scored
+            if accepts[b]:
+                t += _at(times["draft_context"], b) + opts.draft_steps * dc + decode
+            else:
+                t += _at(times["target_context"], b) + opts.target_steps * tc + decode
             continue
         t += _at(times["draft_context"], b) + opts.draft_steps * dc + decode + score
         if reference:

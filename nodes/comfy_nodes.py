@@ -174,8 +174,8 @@ class SDVGSpeculativeSampler(io.ComfyNode):
         return build_schema(schema.SAMPLER, hidden=[io.Hidden.unique_id])
 
     @classmethod
-    def check_lazy_status(cls, mode, drafter=None, target=None, router=None, **_):
-        return logic.needed_inputs(mode, drafter, target, router)
+    def check_lazy_status(cls, mode, drafter=None, target=None, router=None, schedule_veto=False, **_):
+        return logic.needed_inputs(mode, drafter, target, router, schedule_veto)
 
     @classmethod
     def validate_inputs(cls, length):

@@ -452,14 +452,15 @@ def geometry_problem(width, height, length) -> str | None:
     return None
 
 
-def needed_inputs(mode: str, drafter=None, target=None, router=None) -> list[str]:
-    """The lazy sampler inputs ``mode`` uses that are not evaluated yet (ComfyUI's ``check_lazy_status``)."""
+def needed_inputs(mode: str, drafter=None, target=None, router=None, schedule_veto: bool = False) -> list[str]:
+    """The lazy sampler inputs ``mode`` uses that are not evaluated yet (ComfyUI's ``check_lazy_status``): the
+    router only where drafts are scored (``sdvg``, or ``schedule`` with ``schedule_veto``)."""
     needed = []
     if drafter is None and mode != "target_only":
         needed.append("drafter")
     if target is None and mode != "draft_only":
         needed.append("target")
-    if router is None and mode == "sdvg":
+    if router is None and (mode == "sdvg" or (mode == "schedule" and bool(schedule_veto))):
         needed.append("router")
     return needed
 
@@ -501,7 +502,8 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                 reward_prompt: str = "", width: int = 832, height: int = 480, length: int = 81, seed: int = 42,
                 mode: str = "sdvg", force_first_block: bool = True, refine_from_step: int = 0, cascade: bool = False,
                 random_accept_prob: float = 0.73, services: Services | None = None, preset: str = "reference",
-                workers: str = "auto", replay: bool = True, schedule_every: int = 3) -> SamplerOutput:
+                workers: str = "auto", replay: bool = True, schedule_every: int = 3,
+                schedule_veto: bool = False) -> SamplerOutput:
     """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here.
 
     With ``replay`` the module's :data:`REPLAY_MEMO` carries earlier runs across executions, so a run that
@@ -528,9 +530,12 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
             raise ValueError(f"the {m.role} expects text width {m.model.config.text_dim}, the conditioning is "
                              f"{context.shape[-1]} wide")
     prompt = reward_prompt or ""
-    if mode == "sdvg":
+    scores_drafts = mode == "sdvg" or (mode == "schedule" and bool(schedule_veto))
+    if scores_drafts:
         if router is None:
-            raise ValueError("mode 'sdvg' needs a router (SDVG Reward Router)")
+            raise ValueError("mode 'sdvg' needs a router (SDVG Reward Router)" if mode == "sdvg" else
+                             "schedule_veto scores the drafted blocks: link a router (SDVG Reward Router) or turn "
+                             "schedule_veto off")
         if not prompt.strip():
             raise ValueError("reward_prompt is empty: ImageReward scores frames against the prompt TEXT, which "
                              "CONDITIONING does not carry. Type the positive prompt into reward_prompt or link "
@@ -538,11 +543,11 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
                           random_accept_prob=float(random_accept_prob),
                           refine_from_step=int(refine_from_step) or None, cascade=bool(cascade),
-                          schedule_every=int(schedule_every))
+                          schedule_every=int(schedule_every), schedule_veto=bool(schedule_veto))
 
     stream, vae_patcher = streaming_vae(vae, services)
     # Per-run objects: the cached SDVG_MODEL / SDVG_ROUTER values are never modified.
-    run_router = router.new_router() if (mode == "sdvg" and router is not None) else None
+    run_router = router.new_router() if (scores_drafts and router is not None) else None
     pipe = SpeculativePipeline(drafter_model.new_generator(preset), target_model.new_generator(preset), stream, run_router)
     pipe.preset, pipe.workers = preset, (workers if workers == "auto" else int(workers))
     pipe.memo = replay_memo_for(drafter_model, target_model) if replay else None

@@ -180,13 +180,16 @@ REWARD_ROUTER = NodeSpec(
         InputSpec("temporal_weight", "FLOAT", default=0.0, min=-10.0, max=10.0, step=0.05, round=0.01,
                   tooltip="Adds this weight x the mean cosine similarity of consecutive frames' features to the "
                           "block score (0 = off). Similarity favours static video; use sparingly."),
-        InputSpec("tau_mode", "COMBO", options=("fixed", "accept_rate", "relative"), default="fixed", optional=True,
+        InputSpec("tau_mode", "COMBO", options=("fixed", "accept_rate", "relative", "anchor", "baseline"),
+                  default="fixed", optional=True,
                   tooltip="fixed: compare every block with tau. accept_rate: per-block threshold = the "
                           "(1 - accept_rate) quantile of the draft scores seen so far in this video, started from "
                           "a prior N(0.566, 1.071^2) worth 5 blocks, so about accept_rate of the drafts are kept "
                           "(tau is then unused). relative: keep a draft when its score minus the score of the last "
-                          "committed block is at least tau (the target's blocks are then scored too; needs "
-                          "force_first_block, no cascade)."),
+                          "committed block is at least tau (the target's blocks are then scored too). anchor: minus "
+                          "block 0's score (the target's, scored once). baseline: minus the mean score of the blocks "
+                          "kept so far. The last three remove how much the reward likes the prompt; they need "
+                          "force_first_block and no cascade."),
         InputSpec("accept_rate", "FLOAT", default=0.73, min=0.01, max=0.99, step=0.01, round=0.01, optional=True,
                   tooltip="Target share of drafted blocks to keep when tau_mode is accept_rate (0.72 in the "
                           "reference SDVG server)."),
@@ -269,6 +272,9 @@ SAMPLER = NodeSpec(
                   tooltip="Mode 'schedule': the target generates block 0 and blocks k, 2k, ... (k = this value), "
                           "decided before drafting; every other block is the drafter's, kept unscored. 0 = only "
                           "block 0 (as first_block_only)."),
+        InputSpec("schedule_veto", "BOOLEAN", default=False, optional=True,
+                  tooltip="Mode 'schedule': also score each drafted block with the router and let it send the block "
+                          "back to the target (e.g. tau_mode relative as a veto). Needs a router."),
     ),
     outputs=(
         OutputSpec("frames", "IMAGE", "Decoded video frames [T, H, W, 3], 0..1."),

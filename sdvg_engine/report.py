@@ -148,7 +148,8 @@ def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, mode
     plus the decode of every kept block), divided by this run's wall time. With ``decode_hidden`` (the VAE has a
     worker of its own) an all-target run would decode beside the target, so the longer of the two counts.
     """
-    drafted = [b for b in blocks if b.drafted]
+    # Blocks given to the router: drafted ones, and random mode's target blocks (drawn before drafting, never drafted).
+    drafted = [b for b in blocks if b.drafted or b.decision is not None]
     accepted = [b for b in drafted if b.source == "draft"]
     later = blocks[1:]
     decode_kept = sum(b.decode_seconds for b in blocks)

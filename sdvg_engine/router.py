@@ -47,6 +47,18 @@ along the video, not its level, so it does not accept or reject whole clips whol
 varies between prompts. The decision records the reference in ``RouteDecision.reference_score`` and
 ``tau`` stays the margin (the configured tau).
 
+Prompt-normalised thresholds: ``tau_mode="anchor"`` compares a draft with block 0's score (the target's first block
+of the same video: one reference per video, no later target block is scored) and ``tau_mode="baseline"`` with the
+mean score of every block committed so far. Like ``relative`` they remove what a fixed threshold mostly measures,
+how much the reward likes the prompt (82% of the drafts' score variance in the reference's own record is between
+prompts), and keep how a draft compares with what this video already holds:
+
+    reference_b = s_{b-1} (relative) | s_0 (anchor) | mean(s_0 .. s_{b-1}) (baseline)
+    accept_b  <=>  block_score(draft_b) - reference_b >= tau
+
+with ``s_i`` the block score of committed block ``i`` (an accepted draft's own score, or the target block scored
+with the same settings; see :meth:`RewardRouter.reference_of` and :meth:`RewardRouter.needs_committed_score`).
+
 ``RandomRouter`` is the ablation baseline: accepts each block with probability ``p``,
 deterministically per ``(seed, key, block_index)`` whatever the call order (the pipeline's key is
 the prompt text).
@@ -69,6 +81,7 @@ from .reward import CROP_MODES, PREPROCESS_MODES, FrameScores, ImageRewardScorer
 __all__ = [
     "AGGREGATIONS",
     "TAU_MODES",
+    "REFERENCE_MODES",
     "RouteDecision",
     "RewardRouter",
     "RandomRouter",
@@ -78,7 +91,11 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("min", "mean")
-TAU_MODES = ("fixed", "accept_rate", "relative")
+TAU_MODES = ("fixed", "accept_rate", "relative", "anchor", "baseline")
+#: modes that compare a draft with a reference built from the committed blocks' scores (see RewardRouter.reference_of)
+REFERENCE_MODES = ("relative", "anchor", "baseline")
+_REFERENCE_OF = {"relative": "the last committed block's score", "anchor": "block 0's score",
+                 "baseline": "the mean score of the committed blocks"}
 
 
 def _json_float(x: float | None) -> float | None:
@@ -279,8 +296,9 @@ class RewardRouter:
         crop: "center" (ImageReward's crop) or "full" (whole frame squashed).
         temporal_weight: weight of the temporal-consistency term in the block score.
         tau_mode: "fixed" (compare with ``tau``), "accept_rate" (per-block quantile threshold
-            targeting an acceptance share ``accept_rate``; see :meth:`block_tau`) or "relative"
-            (compare the draft's score minus the last committed block's score with ``tau``).
+            targeting an acceptance share ``accept_rate``; see :meth:`block_tau`), "relative"
+            (compare the draft's score minus the last committed block's score with ``tau``), "anchor"
+            (minus block 0's score) or "baseline" (minus the mean score of the committed blocks).
         accept_rate: target share r of drafted blocks accepted, in (0, 1).
         prior_mean, prior_std: Gaussian prior of draft block scores (the reference's
             ImageReward global statistics).
@@ -354,15 +372,47 @@ class RewardRouter:
         """An empty :class:`TauState` (start of a video)."""
         return TauState()
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether drafts are compared with a reference built from the committed blocks (relative, anchor, baseline)."""
+        return self.tau_mode in REFERENCE_MODES
+
+    def needs_committed_score(self, block_index: int) -> bool:
+        """Whether a later reference needs the score of committed *target* block ``block_index`` (accepted drafts
+        come with theirs): every committed block for relative and baseline, only block 0 for anchor."""
+        if self.tau_mode == "anchor":
+            return block_index == 0
+        return self.tau_mode in ("relative", "baseline")
+
+    def reference_of(self, committed: Sequence[float | None]) -> float | None:
+        """The reference the next draft is compared with, from the block scores of the blocks committed so far
+        (block 0 first; ``None`` where a block was not scored because no reference needs it). ``None`` outside the
+        reference modes. relative: the last one; anchor: block 0's; baseline: their mean."""
+        if not self.uses_reference:
+            return None
+        if not committed:
+            raise ValueError(f"tau_mode {self.tau_mode!r} compares a draft with the blocks committed before it, and "
+                             "there are none: block 0 must be the target's (force_first_block)")
+        if self.tau_mode == "anchor":
+            picked = [committed[0]]
+        elif self.tau_mode == "relative":
+            picked = [committed[-1]]
+        else:
+            picked = list(committed)
+        if any(s is None for s in picked):
+            raise ValueError(f"tau_mode {self.tau_mode!r} needs the score of every committed block it reads; got "
+                             f"{list(committed)} (score the committed target blocks: needs_committed_score)")
+        return float(sum(picked) / len(picked))
+
     def block_tau(self, state: TauState | None) -> float:
         """The threshold for the next drafted block.
 
-        ``fixed`` and ``relative``: ``self.tau`` (``state`` ignored; in relative mode it is the margin over
-        the last committed block's score). ``accept_rate``: the (1 - accept_rate)
+        ``fixed`` and the reference modes: ``self.tau`` (``state`` ignored; in a reference mode it is the margin
+        over the reference, see :meth:`reference_of`). ``accept_rate``: the (1 - accept_rate)
         quantile of prior (weight ``prior_count``) + the scores in ``state`` (None = no scores
         yet), see the module docstring. The caller then does ``state.observe(decision.block_score)``.
         """
-        if self.tau_mode in ("fixed", "relative"):
+        if self.tau_mode != "accept_rate":
             return self.tau
         if state is not None and not isinstance(state, TauState):
             raise TypeError(f"state must be a TauState or None, got {type(state).__name__}")
@@ -417,15 +467,16 @@ class RewardRouter:
         ``temporal`` (a precomputed ``temporal_consistency``) is added with ``temporal_weight``
         when given and the weight is non-zero; it is always reported. ``tau``: the threshold to
         use (e.g. ``block_tau(state)``); None = ``self.tau``. It is recorded in the decision.
-        ``reference``: relative mode (required there, ignored otherwise): the block score of the last
-        committed block; the draft is accepted when ``block_score - reference >= tau`` (a NaN on either
-        side rejects unless tau is -inf).
+        ``reference``: the reference modes (required there, ignored otherwise): :meth:`reference_of` the committed
+        blocks' scores; the draft is accepted when ``block_score - reference >= tau`` (a NaN on either side rejects
+        unless tau is -inf).
         """
         tau = self.tau if tau is None else _check_tau(tau)
-        if self.tau_mode == "relative":
+        if self.uses_reference:
             if reference is None:
-                raise ValueError("tau_mode 'relative' decides against the last committed block's score: pass "
-                                 "reference=<its block score> (block 0 has none: it must be the target's)")
+                raise ValueError(f"tau_mode {self.tau_mode!r} decides against {_REFERENCE_OF[self.tau_mode]}: pass "
+                                 "reference=<its block score> (reference_of(<the committed blocks' scores>); block 0 "
+                                 "has none: it must be the target's)")
             reference = float(reference)
         else:
             reference = None
@@ -462,12 +513,13 @@ class RewardRouter:
         seam term of the temporal score. Returns the decision and the raw ``FrameScores``
         (whose ``image_features[-1]`` is what to pass next time if the block is committed).
         ``tau``: threshold for this block (e.g. ``block_tau(state)``); None = ``self.tau``.
-        ``reference``: relative mode: the last committed block's score (see :meth:`decide`).
+        ``reference``: the reference modes: :meth:`reference_of` the committed blocks' scores (see :meth:`decide`).
         """
         if tau is not None:
             tau = _check_tau(tau)  # before the (expensive) scoring
-        if self.tau_mode == "relative" and reference is None:
-            raise ValueError("tau_mode 'relative' decides against the last committed block's score: pass reference=...")
+        if self.uses_reference and reference is None:
+            raise ValueError(f"tau_mode {self.tau_mode!r} decides against {_REFERENCE_OF[self.tau_mode]}: pass "
+                             "reference=...")
         out = self.score_frames(frames, prompt)
         # Always reported (N cosine similarities: free); only weighted in when w != 0.
         temporal = temporal_consistency(out.image_features, previous_features)

@@ -248,7 +248,7 @@ class Executor:
         if lazy:
             present = {name: None for name in lazy}
             # the sampler's check_lazy_status (comfy_nodes.SDVGSpeculativeSampler): logic.needed_inputs
-            for name in logic.needed_inputs(values["mode"], **present):
+            for name in logic.needed_inputs(values["mode"], **present, schedule_veto=values.get("schedule_veto", False)):
                 if name in node["inputs"]:
                     values[name] = self._resolve(prompt, node["inputs"][name], result, signatures)
         self.interrupt.throw_if_interrupted()  # ComfyUI checks before every node

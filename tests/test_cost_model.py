@@ -124,6 +124,9 @@ def test_sequential_schedules_by_hand():
     ref = opts(draft_steps=5)
     assert cm.sequential_time(TIMES, [False, True, False], ref, reference=True) == 29.5 + 11.0 + 33.0
     assert cm.target_only_time(TIMES, ref) == 22.0 + 25.0 + 25.0
+    # Decided before drafting (schedule, random): block 0 = 22; the kept draft 0.5 + 4 + 2 (no score); the target
+    # block 3 + 20 + 2 (no draft, no draft decode, no score).
+    assert cm.sequential_time(TIMES, [False, True, False], opts(verify=False)) == 22.0 + 6.5 + 25.0
 
 
 def test_simulated_expectation_matches_the_closed_form_for_sequential():

@@ -271,7 +271,7 @@ def test_accept_rate_converges_on_long_run(scorer, r):
 
 def test_fixed_mode_ignores_state(scorer):
     router = RewardRouter(scorer, tau=0.4)
-    assert router.tau_mode == "fixed" and TAU_MODES == ("fixed", "accept_rate", "relative")
+    assert router.tau_mode == "fixed" and TAU_MODES == ("fixed", "accept_rate", "relative", "anchor", "baseline")
     assert router.block_tau(None) == 0.4 and router.block_tau(TauState([5.0, 6.0])) == 0.4
     d = router.decide([0.3])
     assert not d.accept and d.tau == 0.4
@@ -345,7 +345,7 @@ def test_adaptive_tau_bad_arguments(scorer):
         RewardRouter(scorer, prior_count=-1)
     with pytest.raises(ValueError, match="prior_mean must be finite"):
         RewardRouter(scorer, prior_mean=math.nan)
-    with pytest.raises(ValueError, match=r"tau_mode must be one of \('fixed', 'accept_rate', 'relative'\), got 'adaptive'"):
+    with pytest.raises(ValueError, match=r"tau_mode must be one of \('fixed', 'accept_rate', 'relative', 'anchor', 'baseline'\), got 'adaptive'"):
         RewardRouter(scorer, tau_mode="adaptive")
     with pytest.raises(ValueError, match="preprocess must be one of"):
         RewardRouter(scorer, preprocess="cv2")

@@ -145,7 +145,7 @@ FROZEN_WIDGETS = {
                          "preprocess"],
     "SDVGSpeculativeSampler": ["reward_prompt", "width", "height", "length", "seed", "mode", "force_first_block",
                                "refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay",
-                               "schedule_every"],
+                               "schedule_every", "schedule_veto"],
     "SDVGLoadPromptEmbeddings": ["embeddings_file", "index"],
 }
 
@@ -183,8 +183,8 @@ def test_loop_options_are_optional_trailing_inputs_with_engine_defaults():
     inputs = schema.SAMPLER.inputs
     optional_widgets = [i.name for i in inputs if i.optional and i.is_widget]
     assert optional_widgets == ["refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay",
-                                "schedule_every"]
-    assert [i.name for i in inputs[-7:]] == optional_widgets
+                                "schedule_every", "schedule_veto"]
+    assert [i.name for i in inputs[-8:]] == optional_widgets
     from sdvg_engine.presets import DEFAULT_PRESET, PRESETS
 
     assert schema.SAMPLER.input("preset").default == DEFAULT_PRESET and tuple(schema.PRESETS) == PRESETS
@@ -192,6 +192,7 @@ def test_loop_options_are_optional_trailing_inputs_with_engine_defaults():
     assert schema.SAMPLER.input("cascade").default == defaults.cascade
     assert schema.SAMPLER.input("random_accept_prob").default == defaults.random_accept_prob
     assert schema.SAMPLER.input("schedule_every").default == defaults.schedule_every
+    assert schema.SAMPLER.input("schedule_veto").default == defaults.schedule_veto
     assert defaults.refine_from_step is None and schema.SAMPLER.input("refine_from_step").default == 0  # 0 = off
     assert schema.SAMPLER.input("force_first_block").default == defaults.force_first_block
     assert tuple(schema.MODES) == tuple(__import__("sdvg_engine.pipeline", fromlist=["MODES"]).MODES)
