@@ -33,16 +33,13 @@ def block_linear_params(cfg) -> int:
     return sum(m.weight.numel() for b in model.blocks for m in b.modules() if isinstance(m, torch.nn.Linear))
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=832)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--frames", type=int, default=81)
-    p.add_argument("--tflops", type=float, default=None,
-                   help="achieved bf16 TFLOP/s for the cost model (default: per card, see the table)")
-    p.add_argument("--pcie-gbs", type=float, default=None, help="host->GPU GB/s (default 24: PCIe 4.0 x16, pinned)")
-    args = p.parse_args()
-    tokens_per_frame = (args.height // 16) * (args.width // 16)
+def plan_table(width: int = 832, height: int = 480, frames: int = 81) -> tuple[dict, dict]:
+    """The first table's rows in bytes: ``(items, extras)``. ``items`` are the components every placement holds
+    (summed by the placement table); ``extras`` the target's weights, the text encoder and host RAM for replay.
+    ``bench/dry_run.py`` and ``tests/test_dry_run.py`` compare a real-size run on the meta device with these."""
+    from sdvg_engine.memo import DEFAULT_MAX_BYTES, recording_bytes
+
+    tokens_per_frame = (height // 16) * (width // 16)
     d_cfg, t_cfg = wan_config("Wan2.1-T2V-1.3B"), wan_config("Wan2.1-T2V-14B")
     d_params = params(lambda: CausalWanTransformer3DModel(**d_cfg))
     t_params = params(lambda: CausalWanTransformer3DModel(**t_cfg))
@@ -59,7 +56,7 @@ def main():
 
     # Wan VAE decode cache: 2 cached time steps per causal conv; measured 9.68 MB fp32 at 4x4 latents
     # (33 slots) and proportional to the latent area.
-    vae_cache_fp32 = 9.68e6 / 16 * (args.height // 8) * (args.width // 8)
+    vae_cache_fp32 = 9.68e6 / 16 * (height // 8) * (width // 8)
     # Largest per-block temporaries of the 14B target: hidden + FFN intermediate + q/k/v of one layer (bf16).
     block_tokens = 3 * tokens_per_frame
     activations = block_tokens * (5120 * 6 + 13824) * 2 * 2
@@ -73,19 +70,39 @@ def main():
         "target KV cache (recompute window, 6 frames)": kv(t_cfg, 6) + text_kv(t_cfg),
         "activations (estimate)": activations,
     }
-    target_bf16 = t_params * 2
-    target_fp8 = t_linear * 1 + (t_params - t_linear) * 2
+    recording = recording_bytes(width, height, frames)
+    extras = {
+        "target 14B weights, bf16": t_params * 2,
+        "target 14B weights, fp8 blocks (`--fp8-target`)": t_linear * 1 + (t_params - t_linear) * 2,
+        "UMT5-XXL encoder (bf16; not needed with `--context-file`)": 5.68e9 * 2,
+        f"host RAM: one replay recording, {frames} frames (interactive tau; cap `SDVG_REPLAY_GB`, "
+        f"default {DEFAULT_MAX_BYTES / GiB:.0f})": recording,
+        f"host RAM: replay memo, at most the cap (the newest recordings that fit: {DEFAULT_MAX_BYTES // recording} of "
+        "this size; a replayed run shares its prefix with the recording it replayed)": DEFAULT_MAX_BYTES,
+    }
+    return items, extras
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--tflops", type=float, default=None,
+                   help="achieved bf16 TFLOP/s for the cost model (default: per card, see the table)")
+    p.add_argument("--pcie-gbs", type=float, default=None, help="host->GPU GB/s (default 24: PCIe 4.0 x16, pinned)")
+    args = p.parse_args()
+    tokens_per_frame = (args.height // 16) * (args.width // 16)
+    d_cfg, t_cfg = wan_config("Wan2.1-T2V-1.3B"), wan_config("Wan2.1-T2V-14B")
+    d_params = params(lambda: CausalWanTransformer3DModel(**d_cfg))
+    t_params = params(lambda: CausalWanTransformer3DModel(**t_cfg))
+    items, extras = plan_table(args.width, args.height, args.frames)
+    target_bf16 = extras["target 14B weights, bf16"]
+    target_fp8 = extras["target 14B weights, fp8 blocks (`--fp8-target`)"]
     print(f"## VRAM plan, {args.width}x{args.height}, 81 frames ({tokens_per_frame} tokens per latent frame)\n")
     print("| component | GiB |\n|---|---|")
-    for k, v in items.items():
+    for k, v in {**items, **extras}.items():
         print(f"| {k} | {v / GiB:.2f} |")
-    print(f"| target 14B weights, bf16 | {target_bf16 / GiB:.2f} |")
-    print(f"| target 14B weights, fp8 blocks (`--fp8-target`) | {target_fp8 / GiB:.2f} |")
-    print(f"| UMT5-XXL encoder (bf16; not needed with `--context-file`) | {5.68e9 * 2 / GiB:.2f} |")
-    from sdvg_engine.memo import DEFAULT_MAX_BYTES, recording_bytes
-
-    print(f"| host RAM: one replay recording, {args.frames} frames (interactive tau; cap `SDVG_REPLAY_GB`, "
-          f"default {DEFAULT_MAX_BYTES / GiB:.0f}) | {recording_bytes(args.width, args.height, args.frames) / GiB:.2f} |")
     common = sum(items.values())
     gpu0_target = items["target KV cache (recompute window, 6 frames)"] + items["activations (estimate)"]
     rest = common - gpu0_target

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .router import REFERENCE_MODES, TAU_MODES
+
 
 def _print_err(*args):
     print(*args, file=sys.stderr, flush=True)
@@ -235,6 +237,11 @@ def _check_tau(args):
     return "NaN is not a threshold; use a number, -inf or inf" if math.isnan(args.tau) else None
 
 
+def _scores_drafts(args) -> bool:
+    """Whether the run scores drafts with the reward (--mode sdvg, or --mode schedule with --schedule-veto)."""
+    return args.mode == "sdvg" or (args.mode == "schedule" and bool(getattr(args, "schedule_veto", False)))
+
+
 @arg_check("--schedule-every", "generate")
 def _check_schedule_every(args):
     return None if args.schedule_every >= 0 else "must be a whole number >= 0 (0 = only block 0 by the target)"
@@ -259,22 +266,24 @@ def _check_refine(args):
 
 @arg_check("--cascade", "generate")
 def _check_cascade(args):
-    if not args.cascade or args.mode != "sdvg":
+    if not args.cascade or not _scores_drafts(args):
         return None
     if args.aggregation != "min":
         return "cascade scoring is exact only with --aggregation min; drop --cascade or use --aggregation min"
     if args.temporal_weight != 0.0:
         return "cascade scoring does not combine with --temporal-weight; drop one of them"
-    if getattr(args, "tau_mode", "fixed") == "relative":
-        return "cascade scoring is not supported with --tau-mode relative; drop --cascade or use --tau-mode fixed"
+    if getattr(args, "tau_mode", "fixed") in REFERENCE_MODES:
+        return (f"cascade scoring is not supported with --tau-mode {args.tau_mode}; drop --cascade or use "
+                "--tau-mode fixed")
     return None
 
 
 @arg_check("--tau-mode", "generate")
 def _check_tau_mode(args):
-    if args.tau_mode == "relative" and args.mode == "sdvg" and not args.force_first_block:
-        return ("compares each draft with the last committed block, and block 0 has none: drop --no-force-first-block "
-                "(block 0 by the target) or use --tau-mode fixed")
+    if args.tau_mode in REFERENCE_MODES and _scores_drafts(args) and not args.force_first_block:
+        against = {"relative": "the last committed block", "anchor": "block 0"}.get(args.tau_mode, "the committed blocks")
+        return (f"compares each draft with {against}, and block 0 has none: drop --no-force-first-block (block 0 by "
+                "the target) or use --tau-mode fixed")
     return None
 
 
@@ -309,7 +318,9 @@ def _check_offload(args):
 
 @arg_check("--reward", "generate")
 def _check_reward(args):
-    if args.mode == "sdvg" and not args.reward:
+    if _scores_drafts(args) and not args.reward:
+        if args.mode == "schedule":
+            return "--schedule-veto scores the drafted blocks: it needs --reward (an ImageReward.pt file)"
         return "mode 'sdvg' needs --reward (an ImageReward.pt file); or pick another --mode"
     return None
 
@@ -670,8 +681,9 @@ def build_pipeline(args):
     from .router import RewardRouter
     from .vae import load_wan_vae
 
-    if args.mode == "sdvg" and not args.reward:
-        raise UsageError("--reward: mode 'sdvg' needs --reward (an ImageReward.pt file)")
+    if _scores_drafts(args) and not args.reward:
+        raise UsageError(f"--reward: mode {args.mode!r}{' with --schedule-veto' if args.mode == 'schedule' else ''} "
+                         "needs --reward (an ImageReward.pt file)")
     from .offload import resolve_memory_args
 
     offload, kv_dtype = resolve_memory_args(args)  # --vram-gb / --offload / --kv-dtype (docs/memory.md)
@@ -729,7 +741,7 @@ def cmd_generate(args) -> int:
 
     options = SDVGOptions(mode=args.mode, force_first_block=args.force_first_block, random_accept_prob=args.random_p,
                           refine_from_step=args.refine_from_step, cascade=args.cascade,
-                          schedule_every=args.schedule_every)
+                          schedule_every=args.schedule_every, schedule_veto=args.schedule_veto)
     num_blocks = video_frames_to_latent_frames(args.frames) // 3
     taus = parse_taus(args.taus) if args.taus else [args.tau]
     # Everything that can be checked without a model is checked before the first load.
@@ -764,7 +776,7 @@ def cmd_generate(args) -> int:
             try:
                 result = pipe.generate(context, prompt=prompt, num_frames=args.frames, width=args.width, height=args.height,
                                        seed=args.seed + i, options=options, cancel=token,
-                                       on_block=_progress(num_blocks, tau if args.mode == "sdvg" else None))
+                                       on_block=_progress(num_blocks, tau if _scores_drafts(args) else None))
             except GenerationCancelled as err:
                 if reports:  # the finished videos form a complete set with their report (never a mix)
                     _finish_outputs(args, out, files[: len(reports)], report_path, reports)
@@ -779,14 +791,26 @@ def cmd_generate(args) -> int:
                 _print_err(f"  replayed {replay['replayed_blocks']} block(s) of an earlier tau "
                            f"(~{replay['seconds_saved']:.1f} s saved)")
             video_path, mask_path = files[k]
-            video = write_video(result.frames, video_path)  # temporary file + rename
+            # Both written to temporary names first, the mask renamed right after the video: a failure (or Ctrl-C) in
+            # either leaves neither, never a video without its mask (the earlier set's pair stays as it was).
+            mask_path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_output(mask_path) as tmp:
                 Image.fromarray(mask_strip(result.acceptance_mask)).save(tmp, format="PNG")
+                video = write_video(result.frames, video_path)  # temporary file + rename
             result.report["video"] = str(video)
             reports.append(result.report)
             speed = result.report["speedup_vs_target"]
             _print_err(f"  -> {video}  acceptance {result.report['acceptance']['rate_after_first_block']}  "
                        f"speedup vs target {speed:.2f}x" if speed else f"  -> {video}")
+    except BaseException:
+        # Ctrl-C, a failed write or model: the finished videos form a complete set with their report, as after a
+        # cancel (with --overwrite never beside an earlier run's report and leftovers), then the error goes on.
+        if reports:
+            try:
+                _finish_outputs(args, out, files[: len(reports)], report_path, reports)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+        raise
     finally:
         signal.signal(signal.SIGINT, previous)
     _finish_outputs(args, out, files, report_path, reports)
@@ -893,11 +917,12 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
                         "5-call list; native: each model as distilled (drafter: global cache, 4 calls). "
                         "--drafter-context/--target-context/--*-schedule other than auto win over it")
     p.add_argument("--drafter-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
-    p.add_argument("--tau-mode", choices=("fixed", "accept_rate", "relative"), default="fixed",
+    p.add_argument("--tau-mode", choices=TAU_MODES, default="fixed",
                    help="fixed: compare with --tau; accept_rate: per-block threshold = the (1 - r) quantile of the draft "
                         "scores so far (prior N(0.566, 1.071^2) worth 5 blocks), keeping about --accept-rate of the drafts; "
                         "relative: accept when the draft's score minus the last committed block's score >= --tau "
-                        "(the target's committed blocks are scored too)")
+                        "(the target's committed blocks are scored too); anchor: minus block 0's score; baseline: "
+                        "minus the mean score of the committed blocks")
     p.add_argument("--accept-rate", type=finite_float, default=0.73, help="target share of kept drafts for --tau-mode accept_rate")
     p.add_argument("--reward-preprocess", choices=("pil", "torch"), default="pil",
                    help="pil (default): frames scored exactly as ImageReward does (8-bit, PIL bicubic, centre crop); "
@@ -949,6 +974,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-every", type=int, default=3,
                    help="--mode schedule: the target makes block 0 and every k-th block (decided before drafting; no "
                         "reward model needed); 0 = only block 0")
+    p.add_argument("--schedule-veto", action="store_true",
+                   help="--mode schedule: also score each drafted block and let the router (--tau-mode, --tau) send "
+                        "it back to the target; needs --reward")
     p.add_argument("--refine-from-step", type=int, default=None, help="hybrid regeneration from the drafter's step k")
     p.add_argument("--cascade", action="store_true", help="cascade scoring (4 frames first)")
     p.add_argument("--out", default="outputs")

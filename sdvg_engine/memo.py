@@ -19,6 +19,7 @@ reference the same frames) and the seam features: 397 MB for an 81-frame video a
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -33,7 +34,9 @@ def _cpu(value, copies: dict | None = None):
     """A CPU copy of every tensor inside ``value`` (tuples, lists and dataclass-like states kept as they are).
 
     ``copies`` (one dict per recording) makes each device tensor cross to the host once: every block's context
-    snapshot references all earlier frames again, which would otherwise be copied again for every block."""
+    snapshot references all earlier frames again, which would otherwise be copied again for every block. An entry
+    lives as long as its source tensor (a finalizer drops it, so a freed address that is reused is never mistaken for
+    the old tensor, and the copy of a rejected draft's frames goes with them); the source itself is not kept."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":  # a dry run at real size: nothing to copy, and views stay views
             return value
@@ -41,9 +44,11 @@ def _cpu(value, copies: dict | None = None):
             return value.detach().cpu()
         key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()),
                value.dtype)
-        if key not in copies:
-            copies[key] = (value, value.detach().cpu())  # the source is kept so its address is not reused meanwhile
-        return copies[key][1]
+        host = copies.get(key)
+        if host is None:
+            host = copies[key] = value.detach().cpu()
+            weakref.finalize(value, copies.pop, key, None)
+        return host
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(_cpu(v, copies) for v in value))
     if isinstance(value, (tuple, list)):
@@ -77,7 +82,7 @@ class RecordedBlock:
     contexts_after: dict  # generator name -> ContextScheme.snapshot()
     previous_features_after: torch.Tensor | None
     seconds: float  # component seconds this block took (what a replay saves)
-    reference_after: float | None = None  # relative routing: this block's score as committed (the next reference)
+    reference_after: tuple = ()  # reference modes: the scores of the committed blocks up to this one (None: unscored)
     pixels: torch.Tensor | None = None  # [B, 3, T, H, W] in [-1, 1] as decoded: a run replayed whole needs no decode
 
 
@@ -188,10 +193,10 @@ def redecide(router, options, recorded: RouteDecision, num_frames: int, tau: flo
     scores cannot tell (cascade scoring that stopped early and would now have to score the rest; relative routing
     with a recording that holds no reference score).
 
-    Relative mode (``tau_mode="relative"``): the draft is compared with the recorded reference (the score of the
-    committed block before it). Replay keeps every block up to the first changed decision, so that reference is the
+    The reference modes (relative, anchor, baseline): the draft is compared with the recorded reference (built from the
+    committed blocks before it). Replay keeps every block up to the first changed decision, so that reference is the
     one a fresh run would have too."""
-    if router.tau_mode == "relative":
+    if router.uses_reference:
         if recorded.reference_score is None:
             return None
         return router.decide(recorded.frame_scores, recorded.temporal_score, tau=tau, reference=recorded.reference_score)
@@ -227,7 +232,7 @@ def plan_replay(recordings: list[Recording], router, options, tau_state: TauStat
         decisions = []
         for block in rec.blocks:
             decision = block.decision
-            if block.drafted and options.mode == "sdvg":
+            if block.drafted and options.scores_drafts:
                 tau = router.block_tau(state)
                 decision = redecide(router, options, block.decision, block.num_frames, tau)
                 if decision is None or decision.accept != block.decision.accept:

@@ -230,6 +230,9 @@ WAN_VAE_PARAMS = 126_892_531
 IMAGE_REWARD_PARAMS = 446_665_953
 #: Wan VAE decode cache: measured 9.68 MB in fp32 at 4x4 latents, proportional to the latent area
 _VAE_CACHE_FP32_PER_LATENT_PIXEL = 9.68e6 / 16
+#: Wan VAE decode of one 3-latent-frame block: the largest live temporaries, 4,033,201,152 bytes in fp32 at 832x480
+#: (the real-size dry run, sdvg_engine/dry_run.py, on the real architecture), proportional to the frame area
+_VAE_DECODE_TRANSIENT_FP32_PER_PIXEL = 4_033_201_152 / (832 * 480)
 _FP32_KEPT = ("time_embedder", "scale_shift_table", "norm")
 
 
@@ -351,6 +354,8 @@ def memory_components(*, offload: str, kv_dtype: str, vae_dtype: str, fp8_target
         t_cfg, 6, tpf, kv_dtype)
     comp[f"VAE weights ({vae_dtype})"] = WAN_VAE_PARAMS * vae_bytes
     comp[f"VAE decode cache ({vae_dtype})"] = _VAE_CACHE_FP32_PER_LATENT_PIXEL * (height // 8) * (width // 8) * vae_bytes / 4
+    # A draft the router may reject keeps the state before its decode until the verdict: one more cache's worth.
+    comp[f"VAE rollback snapshot ({vae_dtype}, until each draft's verdict)"] = comp[f"VAE decode cache ({vae_dtype})"]
     comp["ImageReward (fp16)"] = IMAGE_REWARD_PARAMS * 2
     # Transients never overlap (DiT call, VAE decode, reward run one after another): count the largest.
     block_tokens = 3 * tpf
@@ -358,8 +363,8 @@ def memory_components(*, offload: str, kv_dtype: str, vae_dtype: str, fp8_target
     dit_act = block_tokens * (t_dim * 6 + t_cfg["ffn_dim"]) * 2 * 2
     if kv_dtype == "fp8":  # one layer's cached prefix dequantized to bf16 (the drafter's is the larger)
         dit_act += max(2 * d_frames * tpf * wan_param_counts(d_cfg)["dim"] * 2, 2 * 6 * tpf * t_dim * 2)
-    vae_act = 4 * 4 * height * width * 96 * vae_bytes  # ~4 live full-resolution 96-channel maps of 4 frames
-    comp["largest transient: max(DiT block activations, VAE decode temporaries) (estimate)"] = max(dit_act, vae_act)
+    vae_act = _VAE_DECODE_TRANSIENT_FP32_PER_PIXEL * height * width * vae_bytes / 4
+    comp["largest transient: DiT block activations or VAE decode temporaries, whichever is larger"] = max(dit_act, vae_act)
     comp["CUDA context + allocator slack (reserve)"] = reserve_gib * GiB
     return {k: v / GiB for k, v in comp.items()}
 

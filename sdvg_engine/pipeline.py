@@ -81,6 +81,11 @@ class SDVGOptions:
     schedule_every: ``schedule`` mode: the target generates block 0 and every ``k``-th block (``k, 2k, ...``),
         decided before drafting, so the drafter never runs on them and nothing is decoded twice or scored; the
         drafter's blocks are kept unscored. ``0``: only block 0 (as ``first_block_only``).
+    schedule_veto: ``schedule`` mode: also score each drafted block and let the router reject it (the target
+        regenerates it), e.g. a relative veto (``tau_mode="relative"``); needs a reward router.
+
+    ``random`` mode draws its decisions before drafting, so a block it gives the target is never drafted, decoded
+    twice or scored (the draws are keyed by seed, prompt and block, so the decisions are those of a draft-first run).
     """
 
     mode: str = "sdvg"
@@ -91,31 +96,43 @@ class SDVGOptions:
     cascade_frames: int = 4
     cascade_margin: float = 0.5
     schedule_every: int = 3
+    schedule_veto: bool = False
+
+    @property
+    def scores_drafts(self) -> bool:
+        """Whether drafts are scored and routed by the reward router (``sdvg``, or ``schedule`` with its veto)."""
+        return self.mode == "sdvg" or (self.mode == "schedule" and bool(self.schedule_veto))
 
     def validate(self, router: RewardRouter | None) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "sdvg" and router is None:
             raise ValueError("mode 'sdvg' needs a reward router (ImageReward); use another mode without one")
+        if not isinstance(self.schedule_veto, bool):
+            raise ValueError(f"schedule_veto must be True or False, got {self.schedule_veto!r}")
+        if self.scores_drafts and router is None:
+            raise ValueError("schedule_veto scores each drafted block with the reward router (ImageReward), and there "
+                             "is none; load a reward model or set schedule_veto=False")
         if isinstance(self.schedule_every, bool) or not isinstance(self.schedule_every, int) or self.schedule_every < 0:
             raise ValueError(f"schedule_every must be a whole number >= 0 (0 = only block 0 by the target), "
                              f"got {self.schedule_every!r}")
         if not 0.0 <= self.random_accept_prob <= 1.0:
             raise ValueError(f"random_accept_prob must be in [0, 1], got {self.random_accept_prob}")
-        if self.cascade and self.mode == "sdvg":
+        if self.cascade and self.scores_drafts:
             if router.aggregation != "min":
                 raise ValueError("cascade scoring is exact only with 'min' aggregation; set aggregation='min' or cascade=False")
             if router.temporal_weight != 0.0:
                 raise ValueError("cascade scoring does not combine with a temporal weight; set one of them off")
             if self.cascade_frames < 1 or self.cascade_margin < 0:
                 raise ValueError("cascade_frames must be >= 1 and cascade_margin >= 0")
-        if self.mode == "sdvg" and router.tau_mode == "relative":
+        if self.scores_drafts and router.uses_reference:
             if not self.force_first_block:
-                raise ValueError("tau_mode 'relative' compares each draft with the last committed block, and block 0 has "
-                                 "none: keep force_first_block on (block 0 by the target) or use tau_mode 'fixed'")
-            if self.cascade:
-                raise ValueError("cascade scoring is not supported with tau_mode 'relative'; set cascade=False or use "
+                raise ValueError(f"tau_mode {router.tau_mode!r} compares each draft with the blocks committed before "
+                                 "it, and block 0 has none: keep force_first_block on (block 0 by the target) or use "
                                  "tau_mode 'fixed'")
+            if self.cascade:
+                raise ValueError(f"cascade scoring is not supported with tau_mode {router.tau_mode!r}; set "
+                                 "cascade=False or use tau_mode 'fixed'")
 
 
 @dataclass
@@ -222,11 +239,11 @@ class SpeculativePipeline:
             yield from self._replay(run)  # the blocks an earlier run made with the same inputs and decisions
             previous = None
             for b in range(run.first_block, run.num_blocks):
-                if self._target_generates(opts, b):
-                    block = self._target_block(run, b, drafted=False)
+                if self._target_generates(run, b):
+                    block = self._target_block(run, b, drafted=False, decision=self._decided_before_drafting(run, b))
                 else:
                     draft = run.submit("drafter", self._draft, run, b)
-                    decoded = run.submit("vae", self._snapshot_and_decode, run, draft)
+                    decoded = run.submit("vae", self._decode_draft, run, draft)
                     fallback = self._speculate_target(run, b, draft)  # regenerates beside the verification
                     if previous is not None:
                         yield self._finish_block(run, previous)  # its decode ran beside this block's draft
@@ -235,6 +252,7 @@ class SpeculativePipeline:
                     if decision is None or decision.accept:
                         if fallback is not None:
                             fallback.drop()
+                        run.submit("vae", self._forget_rollback, decoded)
                         block = self._commit(run, b, draft, decoded, source="draft", drafted=True, decision=decision)
                     else:
                         run.submit("vae", self._restore, decoded)
@@ -282,11 +300,23 @@ class SpeculativePipeline:
 
     # ---- steps of the loop --------------------------------------------------------------------------
     @staticmethod
-    def _target_generates(opts: SDVGOptions, b: int) -> bool:
-        """Whether the target makes block ``b`` without a draft: decided before drafting, from the options alone."""
+    def _target_generates(run, b: int) -> bool:
+        """Whether the target makes block ``b`` without a draft: decided before drafting, from the options (and
+        random mode's draw, which needs no draft either)."""
+        opts = run.options
+        if b == 0 and opts.force_first_block and opts.mode != "draft_only":
+            return True
         if opts.mode == "schedule" and opts.schedule_every > 0 and b > 0 and b % opts.schedule_every == 0:
             return True
-        return opts.mode == "target_only" or (b == 0 and opts.force_first_block and opts.mode != "draft_only")
+        if opts.mode == "random":
+            return not run.random_router.decide_block(b).accept
+        return opts.mode == "target_only"
+
+    @staticmethod
+    def _decided_before_drafting(run, b: int) -> RouteDecision | None:
+        """The recorded decision of a block the target makes without a draft: random mode's draw (None otherwise)."""
+        forced = b == 0 and run.options.force_first_block
+        return run.random_router.decide_block(b) if run.options.mode == "random" and not forced else None
 
     def _draft(self, run, b) -> BlockSample:
         return self._timed(run, "drafter", lambda: self.drafter.generate_block(b, run.noise))
@@ -303,7 +333,7 @@ class SpeculativePipeline:
     def _speculate_target(self, run, b, draft):
         """With a worker of its own, the target regenerates block ``b`` while its draft is decoded and scored
         (its context is final: block ``b - 1`` is committed). Dropped on accept, used on reject."""
-        if not run.workers.speculates or run.options.mode not in ("sdvg", "random"):
+        if not run.workers.speculates or not run.options.scores_drafts:  # the other modes never reject a draft
             return None
         needs_draft = run.options.refine_from_step is not None
         return run.workers.speculate("target", self.target, self._target_sample, run, b, draft if needs_draft else None)
@@ -320,31 +350,51 @@ class SpeculativePipeline:
         """Decode a block; its :class:`Lap` is what an all-target run would pay for this block too."""
         with self._measure(run, "vae") as lap:
             pixels = self.vae.decode_block(sample.latents)
+        recording = run.recording
+        if recording is not None and not run.recording_full:
+            # The recording's host copy of the frames, made here on the VAE's worker right after the decode rather
+            # than on the main thread when the block is finished (_finish_block then finds it in host_copies). A
+            # rejected draft's copy is dropped with its frames (memo._cpu keeps no reference to the source).
+            _cpu(pixels, recording.host_copies)
         return _Decoded(None, pixels, lap)
+
+    def _decode_draft(self, run, sample: BlockSample) -> "_Decoded":
+        """Decode a draft; where the router may reject it, keep the VAE state from before it to roll back to."""
+        if not run.options.scores_drafts:  # the other modes keep every draft they make: nothing to roll back
+            return self._decode(run, sample)
+        return self._snapshot_and_decode(run, sample)
 
     def _snapshot_and_decode(self, run, sample: BlockSample) -> "_Decoded":
         """Decode a draft, keeping the VAE state from before it, to roll back to on reject."""
-        before = self.vae.snapshot()
+        before = _Rollback(self.vae.snapshot())
         return self._decode(run, sample)._replace(vae_before=before)
 
     def _restore(self, decoded: "_Decoded") -> None:
-        self.vae.restore(decoded.vae_before)
+        self.vae.restore(decoded.vae_before.take())
+
+    @staticmethod
+    def _forget_rollback(decoded: "_Decoded") -> None:
+        """A kept draft needs no rollback: let its snapshot go now, not when its block is finished (a snapshot holds a
+        whole decode cache, 3.5 GiB at 832x480 in fp32; kept to the end of the block, two of them were alive beside the
+        current cache)."""
+        if decoded.vae_before is not None:
+            decoded.vae_before.take()
 
     def _route(self, run, b, decoded) -> RouteDecision | None:
         """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
-        mode = run.options.mode
-        if mode in ("draft_only", "first_block_only", "schedule"):
+        if run.options.mode == "random":
+            return run.random_router.decide_block(b)  # drawn before drafting: this block was given to the drafter
+        if not run.options.scores_drafts:
             return None
-        if mode == "random":
-            return run.random_router.decide_block(b)
-        # What the score reads is handed over now (the seam features and reference of the blocks committed so far),
-        # never read from the run later on the reward's worker.
+        # What the score reads is handed over now (the seam features and the committed blocks' scores so far), never
+        # read from the run later on the reward's worker.
         return run.workers.result(run.submit("reward", self._score_draft, run, decoded, run.tau_state,
-                                             run.previous_features, run.reference))
+                                             run.previous_features, tuple(run.committed_scores)))
 
-    def _score_draft(self, run, decoded, tau_state, previous, reference) -> RouteDecision:
+    def _score_draft(self, run, decoded, tau_state, previous, committed) -> RouteDecision:
         frames = unit_frames(decoded.pixels)
         tau = self.router.block_tau(tau_state)
+        reference = self.router.reference_of([wait(s) for s in committed]) if self.router.uses_reference else None
         decision = self._timed(run, "reward", lambda: self._score(run, frames, tau, previous, reference))
         tau_state.observe(decision.block_score)
         return decision
@@ -352,8 +402,8 @@ class SpeculativePipeline:
     def _score(self, run, frames: torch.Tensor, tau: float, previous, reference) -> RouteDecision:
         router, opts = self.router, run.options
         if not opts.cascade or frames.shape[0] <= opts.cascade_frames:
-            # Only relative routing takes a reference, so routers written against the older judge() keep working.
-            relative = {"reference": reference} if router.tau_mode == "relative" else {}
+            # Only the reference modes take a reference, so routers written against the older judge() keep working.
+            relative = {"reference": reference} if getattr(router, "uses_reference", False) else {}
             decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau, **relative)
             run.draft_features = scores.image_features[-1]
             return decision
@@ -389,20 +439,22 @@ class SpeculativePipeline:
         run.draft_features = None
         return _Block(index=b, source=source, drafted=drafted, decision=decision, sample=sample, decoded=decoded,
                       contexts_after=contexts, previous_features_after=run.previous_features,
-                      reference_after=run.reference)
+                      reference_after=tuple(run.committed_scores))
 
     def _track_reference(self, run, b, source, decision, decoded) -> None:
-        """Relative routing (``tau_mode="relative"``): keep the score of the last committed block, the reference the
-        next draft is compared with. An accepted draft's is its own decision's score; a target block (block 0 or a
-        regenerated one) is scored here, with the router's settings, only when a later draft will need it."""
-        if run.prompt_features is None or self.router.tau_mode != "relative":
+        """The reference modes (relative, anchor, baseline: :meth:`RewardRouter.reference_of`): keep the block score of
+        every committed block. An accepted draft's is its own decision's score; a target block (block 0 or a
+        regenerated one) is scored here, with the router's settings, only when a later draft's reference reads it
+        (:meth:`RewardRouter.needs_committed_score`); ``None`` otherwise."""
+        if run.prompt_features is None or not self.router.uses_reference:
             return
         if source == "draft":
-            run.reference = decision.block_score
-        elif b + 1 < run.num_blocks:
-            run.reference = run.submit("reward", self._score_committed, run, decoded, run.previous_features)
+            score = decision.block_score
+        elif b + 1 < run.num_blocks and self.router.needs_committed_score(b):
+            score = run.submit("reward", self._score_committed, run, decoded, run.previous_features)
         else:
-            run.reference = None
+            score = None
+        run.committed_scores.append(score)
 
     def _score_committed(self, run, decoded, previous_features) -> float:
         """The block score of a committed target block (what relative routing compares the next draft with)."""
@@ -423,8 +475,8 @@ class SpeculativePipeline:
         """Wait for a committed block's frames and record it (in block order)."""
         sample = run.workers.result(block.sample)
         decoded = run.workers.result(block.decoded)
-        finite_latents = bool(torch.isfinite(sample.latents).all())
-        if not finite_latents or not torch.isfinite(decoded.pixels).all():
+        finite_latents = _all_finite(sample.latents)
+        if not finite_latents or not _all_finite(decoded.pixels):
             model = "drafter" if block.source == "draft" else "target"
             raise NonFiniteOutputError(
                 f"block {block.index}: the {model}'s output is not finite (NaN or inf) in "
@@ -432,7 +484,7 @@ class SpeculativePipeline:
                 "block is kept. Check the weights (a corrupt or wrongly quantized checkpoint), the dtype (try bf16 or "
                 "fp32) and the prompt embeddings.")
         record = self._append_block(run, block.index, block.source, block.drafted, block.decision,
-                                    sample.latents.float().cpu(), decoded.pixels, decode=decoded.lap)
+                                    _host(sample.latents.float()), decoded.pixels, decode=decoded.lap)
         now = run.timer.seconds
         record.seconds = {k: v - run.block_seconds.get(k, 0.0) for k, v in now.items() if v - run.block_seconds.get(k, 0.0) > 0}
         run.block_seconds = dict(now)
@@ -443,11 +495,10 @@ class SpeculativePipeline:
                 pixels=_cpu(decoded.pixels, run.recording.host_copies),
                 contexts_after={name: _cpu(run.workers.result(f), run.recording.host_copies)
                                 for name, f in block.contexts_after.items()},
-                previous_features_after=_cpu(run.workers.result(block.previous_features_after)
-                                             if isinstance(block.previous_features_after, Future) else block.previous_features_after),
+                previous_features_after=_compact(_cpu(run.workers.result(block.previous_features_after)
+                                             if isinstance(block.previous_features_after, Future) else block.previous_features_after)),
                 seconds=sum(record.seconds.values()),
-                reference_after=run.workers.result(block.reference_after)
-                if isinstance(block.reference_after, Future) else block.reference_after))
+                reference_after=tuple(run.workers.result(s) if isinstance(s, Future) else s for s in block.reference_after)))
         return record
 
     def _record(self, run, block: RecordedBlock) -> None:
@@ -462,7 +513,7 @@ class SpeculativePipeline:
 
     def _append_block(self, run, index, source, drafted, decision, latents, pixels, **record_fields) -> BlockRecord:
         """Add a final block's frames, latents (CPU float32) and mask to the run, and its :class:`BlockRecord`."""
-        frames = unit_frames(pixels).permute(0, 2, 3, 1).cpu()  # [T, H, W, 3]
+        frames = _host(unit_frames(pixels).permute(0, 2, 3, 1))  # [T, H, W, 3]
         f0 = run.video_frames
         run.video_frames += frames.shape[0]
         run.latents.append(latents)
@@ -486,7 +537,7 @@ class SpeculativePipeline:
         for gen in run.active:
             gen.context.restore(last.contexts_after[gen.name])
         run.previous_features = last.previous_features_after
-        run.reference = last.reference_after
+        run.committed_scores = list(last.reference_after or ())
         # The VAE's decode cache is a pure function of the latents decoded since reset(), so a run that goes on after
         # the prefix decodes the reused latents again, which rebuilds it bit for bit (nothing of the VAE is recorded).
         # A run replayed whole needs no VAE state: it takes the recorded frames.
@@ -514,8 +565,14 @@ class SpeculativePipeline:
 
     @contextmanager
     def _measure(self, run, component: str):
-        """A cancel point, then the body timed as one call of ``component`` on its device; yields the :class:`Lap`."""
-        run.check_cancel(component, "call")
+        """A cancel point, then the body timed as one call of ``component`` on its device; yields the :class:`Lap`.
+
+        A model's cancel point goes through that model's own hook (``gen.before_call``, :meth:`_begin` sets it to
+        ``run.check_cancel``): a speculation guards that hook, so an interrupt seen here by speculative work that is
+        dropped later still stops the run (ComfyUI's flag clears as it raises; nothing else would see it again)."""
+        gen = getattr(self, component) if component in ("drafter", "target") else None
+        check = gen.before_call if gen is not None and gen.before_call is not None else run.check_cancel
+        check(component, "call")
         with run.timer.measure(component, self._device(component)) as lap:
             yield lap
 
@@ -541,9 +598,10 @@ class SpeculativePipeline:
             raise ValueError(f"text context must be [1, L, {self.target.model.config.text_dim}], got {tuple(prompt_embeds.shape)}")
         if not torch.isfinite(prompt_embeds).all():
             raise ValueError("the prompt embeddings (text context) contain NaN or inf; re-encode the prompt")
-        if opts.mode == "sdvg" and not str(prompt).strip():
-            raise ValueError("mode 'sdvg' scores drafts against the prompt text, but prompt is empty; pass prompt=... "
-                             "(the text the embeddings were made from)")
+        if opts.scores_drafts and not str(prompt).strip():
+            raise ValueError(f"mode {opts.mode!r}{' with schedule_veto' if opts.mode == 'schedule' else ''} scores drafts "
+                             "against the prompt text, but prompt is empty; pass prompt=... (the text the embeddings "
+                             "were made from)")
         prompt_embeds = pad_text(prompt_embeds)
         if opts.refine_from_step is not None:
             steps = self.drafter.schedule.num_steps
@@ -572,7 +630,7 @@ class SpeculativePipeline:
             for gen in run.active:
                 gen.start(prompt_embeds, latent_height=h, latent_width=w, num_blocks=num_blocks)
             self.vae.reset()
-            if opts.mode == "sdvg":
+            if opts.scores_drafts:
                 run.prompt_features = self.router.scorer.encode_prompt(prompt)
                 run.tau_state = tau_state if tau_state is not None else self.router.new_tau_state()
             if opts.mode == "random":
@@ -668,7 +726,7 @@ class _Block:
     decoded: Future  # of its _Decoded
     contexts_after: dict  # generator name -> Future of its context snapshot after this commit
     previous_features_after: object  # seam features after this block (a tensor, None or a Future)
-    reference_after: object = None  # relative routing: this block's score as committed (a float, None or a Future)
+    reference_after: tuple = ()  # reference modes: the committed blocks' scores up to this one (floats, None, Futures)
 
 
 def free_tau_interval(records: list[BlockRecord], options: SDVGOptions, router) -> dict | None:
@@ -676,7 +734,7 @@ def free_tau_interval(records: list[BlockRecord], options: SDVGOptions, router) 
     lowest accepted one (``None`` ends: unbounded). Each drafted block flips when tau crosses its own score, so moving
     tau inside the interval replays the whole run for free (see :mod:`sdvg_engine.memo`). ``None`` when no router
     decided (other modes, or an adaptive tau, whose thresholds move with the scores)."""
-    if options.mode != "sdvg" or router is None or getattr(router, "tau_mode", "fixed") != "fixed":
+    if not options.scores_drafts or router is None or getattr(router, "tau_mode", "fixed") != "fixed":
         return None
     scored = [r.decision for r in records if r.decision is not None and math.isfinite(r.decision.block_score)]
     rejected = [d.block_score for d in scored if not d.accept]
@@ -687,8 +745,19 @@ def free_tau_interval(records: list[BlockRecord], options: SDVGOptions, router) 
             "exact": not options.cascade}
 
 
+class _Rollback:
+    """The VAE state before a draft's decode, held only until the router's verdict (:meth:`take` hands it over once)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def take(self):
+        state, self.state = self.state, None
+        return state
+
+
 class _Decoded(NamedTuple):
-    """A decoded block: the VAE state before it (drafts only, to roll back on reject), its pixels
+    """A decoded block: the VAE state before it (a :class:`_Rollback`, drafts the router may reject), its pixels
     ``[B, 3, T, H, W]`` in [-1, 1], and the decode's :class:`Lap`."""
 
     vae_before: object
@@ -711,7 +780,7 @@ class _Run:
         self.prompt_features = None
         self.random_router = None
         self.previous_features = None  # ViT features of the last committed frame (or a Future of them)
-        self.reference = None  # relative routing: the last committed block's score (or a Future of it)
+        self.committed_scores = []  # reference modes: each committed block's score (a float, a Future or None)
         self.draft_features = None  # the scored draft's last-frame features, kept if it is accepted
         self.tau_state = None
         self.active = []
@@ -733,3 +802,22 @@ class _Run:
                                        f"({self.workers.first_error!r})")
         if self.before_call is not None:
             self.before_call(component, kind)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN/inf. A meta tensor (the real-size dry run, :mod:`sdvg_engine.dry_run`) has no values
+    to check: True."""
+    return t.is_meta or bool(torch.isfinite(t).all())
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, where a run's results live; a meta tensor (the dry run) stays on meta, with no values to copy."""
+    return t if t.is_meta else t.cpu()
+
+
+def _compact(t):
+    """A tensor holding only its own bytes: the seam features are the last row of a block's ``[N, 1024]`` features,
+    and a view would keep all N rows in the recording (``memo.recording_bytes`` counts one row per block)."""
+    if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t

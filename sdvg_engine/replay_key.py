@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import torch
 
-__all__ = ["replay_key", "model_identity", "weights_fingerprint"]
+__all__ = ["replay_key", "model_identity", "scorer_identity", "weights_fingerprint"]
 
 
 def replay_key(pipe, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices) -> tuple:
@@ -25,8 +25,11 @@ def replay_key(pipe, prompt_embeds, prompt, num_frames, width, height, seed, opt
         router = tuple(sorted((k, str(v)) for k, v in pipe.router.settings().items()
                               if k not in ("tau", "tau_mode", "accept_rate", "prior_mean", "prior_std", "prior_count")))
         # Relative recordings hold the scores of committed target blocks, which other modes never compute.
-        router += (id(pipe.router.scorer), pipe.router.tau_mode == "relative")
-    vae = (id(pipe.vae.vae) if hasattr(pipe.vae, "vae") else id(pipe.vae), str(getattr(pipe.vae, "dtype", "")))
+        router += (pipe.router.tau_mode if pipe.router.uses_reference else None, scorer_identity(pipe.router.scorer))
+    vae_module = pipe.vae.vae if hasattr(pipe.vae, "vae") else pipe.vae
+    # The VAE decodes every frame (and encodes a recompute window's anchor): its weights by content, like the models'.
+    vae = (id(vae_module), str(getattr(pipe.vae, "dtype", "")),
+           weights_fingerprint(vae_module) if isinstance(vae_module, torch.nn.Module) else None)
     return (hashlib.sha256(text.numpy().tobytes()).hexdigest(), tuple(text.shape), prompt, num_frames, width, height,
             seed, tuple(sorted(options.items())), models, router, vae, tuple(sorted((k, str(v)) for k, v in devices.items())))
 
@@ -41,26 +44,40 @@ def model_identity(gen) -> tuple:
     weights = weights_fingerprint(gen.model)
     context = tuple(sorted((k, str(v)) for k, v in vars(gen.context).items() if isinstance(v, (int, float, str, type(None)))
                            and k in ("max_frames", "context_frames", "attention_bias")))
-    kv_dtype = str(getattr(gen.model, "kv_cache_dtype", None) or getattr(gen.model, "compute_dtype", ""))
+    # Both: an fp8 KV cache keeps its dtype when the compute dtype changes (and the weights' dtype may not be it).
+    kv_dtype = (str(getattr(gen.model, "kv_cache_dtype", None)), str(getattr(gen.model, "compute_dtype", "")))
     return (id(gen.model), weights, gen.schedule.timesteps, gen.schedule.shift, kv_dtype, gen.context.name, context,
             gen.frames_per_block)
 
 
-def weights_fingerprint(model: torch.nn.Module, samples: int = 512) -> tuple:
-    """Shape, dtype and a hash of ``samples`` evenly strided values of the first, middle and last parameter: the same
-    for the same weights on any device (and under inference mode), different after a reload of other weights or an
-    in-place change of those tensors. Costs three small device-to-host copies."""
+def scorer_identity(scorer) -> tuple:
+    """Which reward model scores the drafts: the scorer object, its network's weights by content (an in-place change
+    or a reload of other weights changes every score) and its batch size (another batching, other float sums)."""
+    model = getattr(scorer, "model", None)
+    weights = weights_fingerprint(model) if isinstance(model, torch.nn.Module) else None
+    return (id(scorer), weights, getattr(scorer, "batch_size", None))
+
+
+def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> tuple:
+    """The number, shapes and dtypes of all parameters and a hash of ``samples`` evenly strided values (plus the last
+    one) of *every* parameter: the same for the same weights on any device (and under inference mode), different
+    after a reload of other weights or an in-place change of any parameter tensor (a merged LoRA, a patched layer;
+    a change that leaves every sampled value as it was is not seen). One small device-to-host copy per device."""
     params = list(model.parameters())
     if not params:
         return ()
-    picked = {0: params[0], len(params) // 2: params[len(params) // 2], len(params) - 1: params[-1]}
-    out = []
-    for i, p in sorted(picked.items()):
+    layout = hashlib.sha1(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()).hexdigest()
+    picked: dict = {}  # device -> [(parameter index, sampled values)]
+    for i, p in enumerate(params):
         flat = p.data.reshape(-1)  # .data: no version counter involved, whatever mode made the tensor
-        if flat.is_meta:
-            digest = "meta"
-        else:
-            values = flat[:: max(1, flat.numel() // samples)][:samples].float().cpu()
-            digest = hashlib.sha1(values.numpy().tobytes()).hexdigest()
-        out.append((i, tuple(p.shape), str(p.dtype), digest))
-    return tuple(out)
+        if flat.is_meta or flat.numel() == 0:
+            continue
+        step = max(1, flat.numel() // samples)
+        picked.setdefault(flat.device, []).append((i, torch.cat([flat[::step][:samples], flat[-1:]]).float()))
+    host = {}
+    for device, items in picked.items():  # one copy per device, then back in parameter order (device-independent)
+        copied = torch.cat([v for _, v in items]).cpu().split([v.numel() for _, v in items])
+        host.update((i, v) for (i, _), v in zip(items, copied))
+    digest = hashlib.sha1(torch.cat([host[i] for i in sorted(host)]).numpy().tobytes()).hexdigest() if host else None
+    meta = sum(1 for p in params if p.is_meta)
+    return (len(params), layout, meta, digest)

@@ -107,3 +107,23 @@ def test_cancel_during_replay(workers):
         generate(pipe, flag, workers, on_block=on_block)
     assert [r.replayed for r in records] == [True, True]
     assert_same(generate(pipe, OneShotInterrupt(), workers), first)  # the memo still serves the next run
+
+
+def test_cancel_seen_at_the_start_of_a_dropped_speculation():
+    """The interrupt is seen by the speculating target's very first check, the one before its timed call (not one of
+    the model's own calls): the speculation is then dropped (tau=-inf keeps every draft), and the run must still stop
+    (found in a real ComfyUI, where the run completed after the Cancel)."""
+    pipe, flag, state = tiny_pipeline(tau=-math.inf), OneShotInterrupt(), {"armed": False, "fired": False}
+
+    def before_call(component, kind):
+        if (state["armed"] and not state["fired"] and component == "target" and kind == "call"
+                and threading.current_thread().name != "MainThread"):
+            state["fired"] = True
+            flag.set()
+        flag.throw_if_interrupted()
+
+    with pytest.raises(InterruptProcessingException):
+        pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5,
+                      before_call=before_call, on_block=lambda r: state.update(armed=True), workers=2)
+    assert state["fired"] and flag.raised_on and flag.raised_on[0] != "MainThread"
+    then_usable(pipe, 2, -math.inf)

@@ -376,7 +376,8 @@ def test_changing_only_tau_replays_the_unchanged_blocks(server):
     assert again["decisions"] == fresh["decisions"] == keep_all["decisions"]
     assert again["draft_scores"] == fresh["draft_scores"]
     assert len(again_video) == LENGTH
-    assert again_video == fresh_video == keep_all_video
+    assert fresh_video == keep_all_video, "two runs without a replay differ: " + _first_difference(fresh_video, keep_all_video)
+    assert again_video == fresh_video, "the replayed run differs from a fresh one: " + _first_difference(again_video, fresh_video)
     print(f"\ntau-only change: first run {keep_all['seconds']['wall']:.2f}s, replayed run {again['seconds']['wall']:.2f}s "
           f"({keep_all['seconds']['wall'] / again['seconds']['wall']:.1f}x faster)")
 
@@ -392,6 +393,12 @@ def test_interrupt_during_speculation_stops_the_run(server, workers):
     assert entry["status"]["status_str"] == "error" and messages(entry, "execution_interrupted"), entry["status"]
     again = server.wait(server.queue(api_workflow("sdvg_prompt_embeddings", mode="draft_only", seed=32)))
     assert again["status"]["status_str"] == "success"
+
+
+def _first_difference(a: list[bytes], b: list[bytes]) -> str:
+    """Where two decoded videos first differ (frame index and how many frames differ), for an assertion message."""
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return f"{len(a)} vs {len(b)} frames; frames {differ} differ" if differ or len(a) != len(b) else "equal"
 
 
 def decoded_frames(path: Path) -> list[bytes]:

@@ -90,6 +90,19 @@ def _linear_fp32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float(), bias)
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (q ``[B, H, L, d]``, k/v ``[B, H, L_kv, d]`` -> ``[B, H, L, d]``).
+
+    On meta tensors (the real-size dry run, :mod:`sdvg_engine.dry_run`) it returns what a fused (flash /
+    memory-efficient) kernel allocates, the output alone: meta dispatch would otherwise take the math fallback and
+    build its ``[B, H, L, L_kv]`` scores, which a GPU run never holds."""
+    if q.is_meta:
+        if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"attention shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        return torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent channel pairs (``view_as_complex`` convention). x: ``[B, L, H, d]``, cos/sin: ``[L, 1, d/2]``."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
@@ -270,12 +283,12 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         v = v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.write_and_read(layer, start_frame, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = _attention(q, k, v, attn_mask)
         return attn.to_out[0](out.transpose(1, 2).flatten(2))
 
     def _cross_attention(self, attn, x, text_k, text_v):
         q = attn.norm_q(attn.to_q(x)).unflatten(2, (self.num_heads, -1)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, text_k, text_v)
+        out = _attention(q, text_k, text_v)
         return attn.to_out[0](out.transpose(1, 2).flatten(2))
 
     def _attention_bias(self, kv_cache: KVCache, start_frame: int, num_frames: int, bias_frames, bias: float, dtype):

@@ -337,7 +337,8 @@ def quantize_blocks_fp8(model: CausalWanTransformer3DModel) -> int:
 
 
 def _check_keys(model: torch.nn.Module, state: dict, path: str) -> None:
-    expected = set(model.state_dict().keys())
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # once: state_dict() walks every module
+    expected = set(shapes)
     found = set(state)
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
@@ -348,7 +349,7 @@ def _check_keys(model: torch.nn.Module, state: dict, path: str) -> None:
             parts.append(f"{len(unexpected)} unexpected keys, e.g. {unexpected[:10]}")
         raise CheckpointError("; ".join(parts))
     for key in expected:
-        want = tuple(model.state_dict()[key].shape)
+        want = shapes[key]
         if tuple(state[key].shape) != want:
             raise CheckpointError(f"{path}: key '{key}' has shape {tuple(state[key].shape)}, expected {want}")
 
