@@ -35,6 +35,7 @@ PLAN_ROWS = {
     "KV cache: drafter": "drafter KV",
     "KV cache: target": "target KV",
     "VAE decode cache": "VAE decode cache",
+    "VAE decode cache: older states kept by snapshots": "VAE rollback snapshot",
     "activations (largest per-call transient, per lane, summed)": "largest transient",
 }
 
@@ -49,6 +50,8 @@ def plan_for(config: DryRunConfig, width: int = 832, height: int = 480, frames: 
     for row, prefix in PLAN_ROWS.items():
         hits = [v for k, v in comp.items() if k.startswith(prefix)]
         out[row] = hits[0] * GiB if hits else 0.0
+    if config.mode != "sdvg":  # only a mode whose router may reject a draft keeps a rollback snapshot
+        out["VAE decode cache: older states kept by snapshots"] = 0.0
     return out
 
 

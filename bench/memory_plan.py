@@ -60,15 +60,18 @@ def plan_table(width: int = 832, height: int = 480, frames: int = 81) -> tuple[d
     # Largest per-block temporaries of the 14B target: hidden + FFN intermediate + q/k/v of one layer (bf16).
     block_tokens = 3 * tokens_per_frame
     activations = block_tokens * (5120 * 6 + 13824) * 2 * 2
+    from sdvg_engine.offload import _VAE_DECODE_TRANSIENT_FP32_PER_PIXEL
 
     items = {
         "drafter 1.3B weights (bf16)": d_params * 2,
         "drafter KV cache (global, 21 frames)": kv(d_cfg, 21) + text_kv(d_cfg),
         "VAE weights (fp32)": vae_params * 4,
         "VAE decode cache (fp32)": vae_cache_fp32,
+        "VAE rollback snapshot (fp32; mode sdvg, until each draft's verdict)": vae_cache_fp32,
+        "VAE decode temporaries (fp32; measured by bench/dry_run.py)": _VAE_DECODE_TRANSIENT_FP32_PER_PIXEL * height * width,
         "ImageReward (fp16)": ir_params * 2,
         "target KV cache (recompute window, 6 frames)": kv(t_cfg, 6) + text_kv(t_cfg),
-        "activations (estimate)": activations,
+        "target activations (estimate)": activations,
     }
     recording = recording_bytes(width, height, frames)
     extras = {
@@ -104,7 +107,7 @@ def main():
     for k, v in {**items, **extras}.items():
         print(f"| {k} | {v / GiB:.2f} |")
     common = sum(items.values())
-    gpu0_target = items["target KV cache (recompute window, 6 frames)"] + items["activations (estimate)"]
+    gpu0_target = items["target KV cache (recompute window, 6 frames)"] + items["target activations (estimate)"]
     rest = common - gpu0_target
     print("\n| placement | bf16 target | fp8 target |\n|---|---|---|")
     print(f"| everything on one GPU | {(common + target_bf16) / GiB:.1f} | {(common + target_fp8) / GiB:.1f} |")

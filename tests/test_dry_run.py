@@ -96,11 +96,14 @@ def test_figures_match_the_memory_plan(results):
             if row.startswith("weights:") and streamed.get(row.split(": ")[1]):
                 assert measured < plan, (config.label, row)  # the plan allows 3 streamed blocks; 2 are held
             elif row.startswith("activations"):
-                # The plan's transient is an estimate (the 14B's per-layer temporaries or ~4 VAE maps), taken once as
-                # if transients never coexisted. Measured: the VAE decode of a block dominates (3.76 GiB fp32, 1.6x
-                # the estimate); with 2 workers the target's lane adds its own beside it (the plan does not).
-                assert plan < measured < (2 if config.workers == 1 else 2.2) * plan, (config.label, measured, plan)
-            elif row == "VAE decode cache":
+                # The plan's transient is the VAE decode's, as this dry run measured it (3.76 GiB fp32 at 832x480;
+                # before, the plan estimated 2.29), taken once. With 2 workers the target's lane adds its own beside
+                # it (0.63 GiB for the 14B), which the plan does not count.
+                if config.workers == 1:
+                    assert measured == pytest.approx(plan, rel=1e-6), (config.label, measured, plan)
+                else:
+                    assert plan <= measured < 1.25 * plan, (config.label, measured, plan)
+            elif row in ("VAE decode cache", "VAE decode cache: older states kept by snapshots") and plan:
                 assert abs(measured - plan) < 1e-3 * plan, (config.label, measured, plan)  # plan: a measured slope
             elif row.startswith("memo"):
                 assert measured <= plan
