@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 from .context import GlobalCache, RecomputeWindow
 from .generator import CausalGenerator
 from .memo import DEFAULT_MAX_BYTES, ReplayMemo
+from .models import causal_wan
 from .models.causal_wan import CausalWanTransformer3DModel, TextKV, wan_config
 from .models.loading import build_model, quantize_blocks_fp8
 from .pipeline import MODES, SDVGOptions, SpeculativePipeline
@@ -450,12 +451,16 @@ def dry_run(config: DryRunConfig, *, width: int = 832, height: int = 480, num_fr
     options = SDVGOptions(mode=config.mode, schedule_every=3)
     ctx = text_context()
     taus = (0.0, REPLAY_TAU) if config.replay else (0.0,)
-    for tau in taus:
-        # The scores follow the drafted blocks in order; a replayed run scores only the drafts after its prefix.
-        router.tau, router.drafts = tau, replayed_drafts(scores, taus[0], tau) if tau != taus[0] else 0
-        result = pipe.generate(ctx, prompt="a corgi running on a beach", num_frames=num_frames, width=width,
-                               height=height, seed=42, options=options, workers=config.workers)
-        assert result.frames.shape == (num_frames, height, width, 3), result.frames.shape
+    causal_wan.FUSED_ATTENTION_ON_META = True
+    try:
+        for tau in taus:
+            # The scores follow the drafted blocks in order; a replayed run scores only the drafts after its prefix.
+            router.tau, router.drafts = tau, replayed_drafts(scores, taus[0], tau) if tau != taus[0] else 0
+            result = pipe.generate(ctx, prompt="a corgi running on a beach", num_frames=num_frames, width=width,
+                                   height=height, seed=42, options=options, workers=config.workers)
+            assert result.frames.shape == (num_frames, height, width, 3), result.frames.shape
+    finally:
+        causal_wan.FUSED_ATTENTION_ON_META = False
     probe, report = stack.probe, result.report
     device = {f"weights: {k}": v for k, v in stack.weight_bytes().items()}
     for gen in (pipe.drafter, pipe.target):

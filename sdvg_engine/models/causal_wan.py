@@ -90,13 +90,18 @@ def _linear_fp32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float(), bias)
 
 
+#: set by :func:`sdvg_engine.dry_run.dry_run` (all threads: its worker lanes run model calls too)
+FUSED_ATTENTION_ON_META = False
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (q ``[B, H, L, d]``, k/v ``[B, H, L_kv, d]`` -> ``[B, H, L, d]``).
 
-    On meta tensors (the real-size dry run, :mod:`sdvg_engine.dry_run`) it returns what a fused (flash /
-    memory-efficient) kernel allocates, the output alone: meta dispatch would otherwise take the math fallback and
-    build its ``[B, H, L, L_kv]`` scores, which a GPU run never holds."""
-    if q.is_meta:
+    In the real-size dry run (:mod:`sdvg_engine.dry_run`, :data:`FUSED_ATTENTION_ON_META`) a meta call returns what a
+    fused (flash / memory-efficient) kernel allocates, the output alone: meta dispatch would otherwise take the math
+    fallback and build its ``[B, H, L, L_kv]`` scores, which a GPU run never holds. Elsewhere meta calls run the real
+    op, so FLOP counting on meta (bench/cost_model.py) still sees the attention."""
+    if q.is_meta and FUSED_ATTENTION_ON_META:
         if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
             raise ValueError(f"attention shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         return torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
