@@ -189,7 +189,10 @@ REWARD_ROUTER = NodeSpec(
                           "committed block is at least tau (the target's blocks are then scored too). anchor: minus "
                           "block 0's score (the target's, scored once). baseline: minus the mean score of the blocks "
                           "kept so far. The last three remove how much the reward likes the prompt; they need "
-                          "force_first_block and no cascade."),
+                          "force_first_block and no cascade. relative with tau -0.25 is the evidence-based choice "
+                          "(held-out scenes, docs/routing.md) and what the shipped workflows use; fixed with tau -0.7 "
+                          "is the paper's router and stays this input's default, so saved workflows keep their "
+                          "behaviour."),
         InputSpec("accept_rate", "FLOAT", default=0.73, min=0.01, max=0.99, step=0.01, round=0.01, optional=True,
                   tooltip="Target share of drafted blocks to keep when tau_mode is accept_rate (0.72 in the "
                           "reference SDVG server)."),

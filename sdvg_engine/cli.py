@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
-from .router import REFERENCE_MODES, TAU_MODES
+from .router import DEFAULT_ROUTER_OPTIONS, PAPER_ROUTER_OPTIONS, REFERENCE_MODES, TAU_MODES
+
+#: ``sdvg bench``'s tau values when none are given: the paper's table (fixed) or margins around the default (relative)
+BENCH_TAUS = {"fixed": "-0.7,-1.0,-1.5,-2.0", "reference": "-0.1,-0.25,-0.5,-1.0"}
 
 
 def _print_err(*args):
@@ -917,8 +920,9 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
                         "5-call list; native: each model as distilled (drafter: global cache, 4 calls). "
                         "--drafter-context/--target-context/--*-schedule other than auto win over it")
     p.add_argument("--drafter-schedule", default="auto", choices=("auto", "self_forcing", "krea"))
-    p.add_argument("--tau-mode", choices=TAU_MODES, default="fixed",
-                   help="fixed: compare with --tau; accept_rate: per-block threshold = the (1 - r) quantile of the draft "
+    p.add_argument("--tau-mode", choices=TAU_MODES, default=None,
+                   help="default: relative (margin -0.25), or fixed when --tau/--taus is given (--tau -0.7 alone is "
+                        "the paper's router). fixed: compare with --tau; accept_rate: per-block threshold = the (1 - r) quantile of the draft "
                         "scores so far (prior N(0.566, 1.071^2) worth 5 blocks), keeping about --accept-rate of the drafts; "
                         "relative: accept when the draft's score minus the last committed block's score >= --tau "
                         "(the target's committed blocks are scored too); anchor: minus block 0's score; baseline: "
@@ -934,10 +938,29 @@ def _add_model_args(p, *, reward_required: bool = False) -> None:
 
 # ---- parser ---------------------------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``sdvg generate: error: argument --tau: ...``), exit status 2."""
+    """argparse with one-line errors (``sdvg generate: error: argument --tau: ...``), exit status 2; the router's
+    defaults are filled in after parsing (:func:`resolve_router_defaults`)."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        resolve_router_defaults(parsed)
+        return parsed, rest
+
+
+def resolve_router_defaults(args) -> None:
+    """``--tau-mode`` left out: relative routing with margin -0.25 (the held-out choice, docs/routing.md), unless a
+    threshold was given (``--tau`` / ``--taus``), which is on the paper's fixed scale, the only one before the default
+    changed: ``--tau -0.7`` alone is the paper's router. ``--tau`` / ``--taus`` left out: the mode's default."""
+    if getattr(args, "tau_mode", "") is None:
+        given = getattr(args, "tau", None) is not None or getattr(args, "taus", None) is not None
+        args.tau_mode = PAPER_ROUTER_OPTIONS["tau_mode"] if given else DEFAULT_ROUTER_OPTIONS["tau_mode"]
+    if getattr(args, "command", None) == "generate" and args.tau is None:
+        args.tau = DEFAULT_ROUTER_OPTIONS["tau"] if args.tau_mode in REFERENCE_MODES else PAPER_ROUTER_OPTIONS["tau"]
+    if getattr(args, "command", None) == "bench" and args.taus is None:
+        args.taus = BENCH_TAUS["reference" if args.tau_mode in REFERENCE_MODES else "fixed"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -966,8 +989,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate videos with SDVG (or a baseline mode)")
     _add_model_args(p)
-    p.add_argument("--tau", type=tau_value, default=-0.7,
-                   help="acceptance threshold on the block's reward (default -0.7; -inf accepts all, inf rejects all)")
+    p.add_argument("--tau", type=tau_value, default=None,
+                   help="acceptance threshold: with --tau-mode fixed on the block's reward (the paper: -0.7, the "
+                        "default there), with relative/anchor/baseline on the margin over the reference (default "
+                        "-0.25); -inf accepts all, inf rejects all. Given without --tau-mode, it is a fixed threshold")
     p.add_argument("--mode", choices=MODES, default="sdvg")
     p.add_argument("--force-first-block", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--random-p", type=finite_float, default=0.73, help="acceptance probability of --mode random")
@@ -1002,7 +1027,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="prompts x tau values x modes -> resumable JSONL, summary table, Pareto plot "
                                      "(shards prompts across ranks under torchrun)")
     _add_model_args(p, reward_required=True)
-    p.add_argument("--taus", default="-0.7,-1.0,-1.5,-2.0", help="comma-separated tau values for sdvg mode (-inf/inf allowed)")
+    p.add_argument("--taus", default=None, help="comma-separated tau values for sdvg mode (-inf/inf allowed; default: "
+                                                "-0.7,-1.0,-1.5,-2.0 with --tau-mode fixed, -0.1,-0.25,-0.5,-1.0 "
+                                                "with relative, the default mode)")
     p.add_argument("--modes", default="sdvg,target_only,draft_only,first_block_only,random",
                    help="comma-separated modes")
     p.add_argument("--out", default="bench_results.jsonl")

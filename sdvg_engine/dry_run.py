@@ -32,7 +32,6 @@ measured result (calling the streamer's hooks per layer, as the forward does). T
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import weakref
@@ -46,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 from .context import GlobalCache, RecomputeWindow
 from .generator import CausalGenerator
 from .memo import DEFAULT_MAX_BYTES, ReplayMemo
+from .memo import _tensors as state_tensors
 from .models import causal_wan
 from .models.causal_wan import CausalWanTransformer3DModel, TextKV, wan_config
 from .models.loading import build_model, quantize_blocks_fp8
@@ -122,20 +122,15 @@ def tensor_bytes(*values) -> int:
 
 
 def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, torch.nn.Module):
+    """The tensors of a module (parameters and buffers) or inside a nested value (:func:`sdvg_engine.memo._tensors`)."""
+    if isinstance(value, torch.nn.Module):
         yield from value.parameters()
         yield from value.buffers()
     elif isinstance(value, (tuple, list)):
         for v in value:
             yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _tensors(getattr(value, f.name))
+    else:
+        yield from state_tensors(value)
 
 
 class _Probe:

@@ -77,15 +77,19 @@ def load_pipeline(*, drafter: str | os.PathLike, target: str | os.PathLike, vae:
     """Load drafter, target, VAE (and ImageReward) into a :class:`SpeculativePipeline`, in the paper's
     configuration by default (``preset="reference"``; ``"native"`` runs each model as distilled).
 
-    ``router_options`` go to :class:`RewardRouter` (``tau``, ``tau_mode``, ``accept_rate``, ``aggregation`` ...);
+    ``router_options`` go to :class:`RewardRouter` (``tau``, ``tau_mode``, ``accept_rate``, ``aggregation`` ...),
+    with :func:`sdvg_engine.router.default_router_options`: relative routing with margin -0.25 when no threshold is
+    given (the held-out choice, docs/routing.md), the paper's fixed scale when only ``tau`` is
+    (``router_options=PAPER_ROUTER_OPTIONS``: the paper's tau = -0.7);
     ``model_options`` to both :func:`load_generator` calls (``max_frames``, ``fuse_qkv``, ``compile`` ...).
     Checks the preset before loading anything.
     """
     from .pipeline import SpeculativePipeline
-    from .router import RewardRouter
+    from .router import RewardRouter, default_router_options
     from .vae import load_wan_vae
 
     presets.check_preset(preset)
+    router_options = default_router_options(router_options)
     if router_options:
         # Checked before anything loads (the router keeps the scorer without touching it): a typo in the options
         # should not cost the minutes a 14B takes to load.
@@ -104,7 +108,7 @@ def load_pipeline(*, drafter: str | os.PathLike, target: str | os.PathLike, vae:
     if reward is not None:
         from .reward import load_image_reward
 
-        router = RewardRouter(load_image_reward(reward, device=aux), **(router_options or {}))
+        router = RewardRouter(load_image_reward(reward, device=aux), **router_options)
     pipe = SpeculativePipeline(draft_gen, target_gen, streaming_vae, router)
     pipe.preset = preset
     return pipe

@@ -44,6 +44,35 @@ def tiny_pipeline(*, tau: float = 0.0, aggregation: str = "min", target_scheme: 
     return SpeculativePipeline(drafter, target, parts["vae"], router)
 
 
+class ForcedRouter(RewardRouter):
+    """Scores each draft for real, then keeps it exactly when ``keep[b]`` says so (block 0 is never drafted: the
+    k-th judged draft is block k)."""
+
+    def __init__(self, scorer, keep):
+        super().__init__(scorer, tau=0.0)
+        self.keep, self.seen = keep, 0
+
+    def judge(self, frames, prompt, *, previous_features=None, tau=None):
+        decision, scores = super().judge(frames, prompt, previous_features=previous_features, tau=tau)
+        self.seen += 1
+        decision.accept = self.keep[self.seen]
+        return decision, scores
+
+
+class CountingScorer:
+    """The real tiny scorer, counting the frames of each call."""
+
+    def __init__(self, scorer):
+        self.scorer, self.calls, self.device = scorer, [], scorer.device
+
+    def score_frames(self, frames, prompt, **kw):
+        self.calls.append(int(frames.shape[0]))
+        return self.scorer.score_frames(frames, prompt, **kw)
+
+    def encode_prompt(self, prompt):
+        return self.scorer.encode_prompt(prompt)
+
+
 def prompt_embeds(seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ctx = torch.zeros(1, 512, 4096)

@@ -10,7 +10,7 @@ import torch
 from sdvg_engine.memo import ReplayMemo
 from sdvg_engine.pipeline import SDVGOptions
 from sdvg_engine.router import RewardRouter
-from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts, tiny_pipeline
+from sdvg_fixtures import HEIGHT, WIDTH, CountingScorer, prompt_embeds, shared_parts, tiny_pipeline
 
 PROMPT = "a red ball rolling on grass"
 FRAMES = 45  # 4 blocks
@@ -28,20 +28,6 @@ def generate(pipe, tau=None, seed=5, **opts):
         pipe.router.tau = tau
     return pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=seed,
                          options=SDVGOptions(**opts))
-
-
-class CountingScorer:
-    """The real tiny scorer, counting the frames it scores."""
-
-    def __init__(self, scorer):
-        self.scorer, self.calls, self.device = scorer, [], scorer.device
-
-    def score_frames(self, frames, prompt, **kw):
-        self.calls.append(int(frames.shape[0]))
-        return self.scorer.score_frames(frames, prompt, **kw)
-
-    def encode_prompt(self, prompt):
-        return self.scorer.encode_prompt(prompt)
 
 
 # ------------------------------------------------------------------------------ decisions by hand

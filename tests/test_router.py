@@ -366,7 +366,9 @@ def test_router_node_builds_adaptive_router(tmp_path):
                      "preprocess"]
     tail = {i.name: i for i in schema.REWARD_ROUTER.inputs[5:]}
     assert all(i.optional and i.tooltip for i in tail.values())
-    assert (tail["tau_mode"].options, tail["tau_mode"].default) == (("fixed", "accept_rate", "relative"), "fixed")
+    # fixed stays the default: workflows saved before tau_mode existed (which do not store it) keep the paper's router
+    assert (tail["tau_mode"].options, tail["tau_mode"].default) == (
+        ("fixed", "accept_rate", "relative", "anchor", "baseline"), "fixed")
     assert (tail["preprocess"].options, tail["preprocess"].default) == (("pil", "torch"), "pil")
     assert tail["accept_rate"].default == 0.73
 
@@ -389,7 +391,8 @@ def test_router_node_workflows_old_and_new_widget_counts():
 
     wf = json.loads((ROOT / "workflows" / "sdvg_text_to_video.json").read_text())
     node = next(n for n in wf["nodes"] if n["type"] == "SDVGRewardRouter")
-    assert len(node["widgets_values"]) == 5  # saved before the optional inputs existed: still valid
+    assert node["widgets_values"][1:] == [-0.25, "min", "center", 0.0, "relative"]  # shipped: the held-out choice
+    node["widgets_values"] = node["widgets_values"][:5]  # as saved before the optional inputs existed: still valid
     assert check_ui_workflow(wf) == []
     assert "tau_mode" not in ui_to_api(wf)[str(node["id"])]["inputs"]  # left to the node's default
     node["widgets_values"] += ["accept_rate", 0.6, "torch"]  # as saved now

@@ -14,38 +14,10 @@ import torch
 from sdvg_engine.memo import ReplayMemo
 from sdvg_engine.pipeline import SDVGOptions
 from sdvg_engine.router import RandomRouter, RewardRouter
-from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts, tiny_pipeline
+from sdvg_fixtures import HEIGHT, WIDTH, CountingScorer, ForcedRouter as Forced, prompt_embeds, shared_parts, tiny_pipeline
 
 PROMPT = "a red ball rolling on grass"
 FRAMES = 57  # 5 blocks
-
-
-class Forced(RewardRouter):
-    """Scores each draft for real, then keeps it exactly when ``keep[b]`` says so (block 0 is never drafted)."""
-
-    def __init__(self, scorer, keep):
-        super().__init__(scorer, tau=0.0)
-        self.keep, self.seen = keep, 0
-
-    def judge(self, frames, prompt, *, previous_features=None, tau=None):
-        decision, scores = super().judge(frames, prompt, previous_features=previous_features, tau=tau)
-        self.seen += 1
-        decision.accept = self.keep[self.seen]
-        return decision, scores
-
-
-class CountingScorer:
-    """The real tiny scorer, counting the frames of each call."""
-
-    def __init__(self, scorer):
-        self.scorer, self.calls, self.device = scorer, [], scorer.device
-
-    def score_frames(self, frames, prompt, **kw):
-        self.calls.append(int(frames.shape[0]))
-        return self.scorer.score_frames(frames, prompt, **kw)
-
-    def encode_prompt(self, prompt):
-        return self.scorer.encode_prompt(prompt)
 
 
 def run(pipe, seed=5, workers=1, **opts):
@@ -225,3 +197,36 @@ def test_schedule_veto_needs_a_router_and_a_bool():
     with pytest.raises(ValueError, match="schedule_veto must be True or False"):
         SDVGOptions(mode="schedule", schedule_veto="yes").validate(None)
     SDVGOptions(mode="schedule", schedule_veto=False).validate(None)  # the plain schedule needs no router
+
+
+# ------------------------------------------------------------------------------ defaults follow the evidence
+def test_default_router_is_relative_and_the_papers_is_one_setting_away():
+    from sdvg_engine.router import DEFAULT_ROUTER_OPTIONS, PAPER_ROUTER_OPTIONS, default_router_options
+
+    assert DEFAULT_ROUTER_OPTIONS == {"tau_mode": "relative", "tau": -0.25}
+    assert PAPER_ROUTER_OPTIONS == {"tau_mode": "fixed", "tau": -0.7}
+    assert default_router_options(None) == default_router_options({}) == DEFAULT_ROUTER_OPTIONS
+    # a tau alone is on the paper's fixed scale (the only one before the default changed)
+    assert default_router_options({"tau": -0.7}) == PAPER_ROUTER_OPTIONS
+    assert default_router_options({"tau_mode": "fixed"}) == {"tau_mode": "fixed"}  # RewardRouter's own tau: -0.7
+    assert RewardRouter(shared_parts()["scorer"], **default_router_options({"tau_mode": "fixed"})).tau == -0.7
+    assert default_router_options({"tau_mode": "anchor", "aggregation": "mean"}) == {
+        "tau_mode": "anchor", "tau": -0.25, "aggregation": "mean"}
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], ("relative", -0.25)),
+    (["--tau", "-0.7"], ("fixed", -0.7)),  # the paper's router, one setting away
+    (["--tau-mode", "fixed"], ("fixed", -0.7)),
+    (["--tau-mode", "baseline"], ("baseline", -0.25)),
+    (["--tau-mode", "relative", "--tau", "0.1"], ("relative", 0.1)),
+    (["--taus=-1,-0.5"], ("fixed", -0.7)),
+])
+def test_cli_router_defaults(flags, expected):
+    from sdvg_engine.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--drafter", "d", "--target", "t", "--vae", "v", *flags])
+    assert (args.tau_mode, args.tau) == expected
+    bench = build_parser().parse_args(["bench", "--drafter", "d", "--target", "t", "--vae", "v", "--reward", "r",
+                                       "--prompts-file", "p"])
+    assert (bench.tau_mode, bench.taus) == ("relative", "-0.1,-0.25,-0.5,-1.0")

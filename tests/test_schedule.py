@@ -8,25 +8,10 @@ from __future__ import annotations
 import pytest
 
 from sdvg_engine.pipeline import SDVGOptions
-from sdvg_engine.router import RewardRouter
-from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts, tiny_pipeline
+from sdvg_fixtures import HEIGHT, WIDTH, ForcedRouter as Forced, prompt_embeds, shared_parts, tiny_pipeline
 
 PROMPT = "a red ball rolling on grass"
 FRAMES = 69  # 6 blocks
-
-
-class Forced(RewardRouter):
-    """Scores each draft for real, then keeps it exactly when ``keep[b]`` says so."""
-
-    def __init__(self, scorer, keep):
-        super().__init__(scorer, tau=0.0)
-        self.keep, self.seen = keep, 0
-
-    def judge(self, frames, prompt, *, previous_features=None, tau=None):
-        decision, scores = super().judge(frames, prompt, previous_features=previous_features, tau=tau)
-        self.seen += 1
-        decision.accept = self.keep[self.seen]  # block 0 is never drafted: draft k is block k
-        return decision, scores
 
 
 def by_hand(every: int, blocks: int = 6) -> list[str]:

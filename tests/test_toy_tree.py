@@ -309,3 +309,200 @@ def test_main_judges_a_tau_chosen_on_other_clips(tmp_path, models):
     (tmp_path / "none.json").write_text(json.dumps({"best_fixed_tau": None}))
     with pytest.raises(SystemExit, match="no tau to carry over"):
         T.main(common + ["--clips", "1", "--tau-from", str(tmp_path / "none.json")])
+
+
+# ------------------------------------------------------------------------------ issue 24: routers that earn their cost
+def _hand_tree():
+    """3 decisions, scores chosen by hand (min aggregation): block 0 0.3; block 1 draft 0.4, target 0.2; block 2 after
+    reject draft 0.1 / target 0.35, after accept draft 0.5 / target 0.45; block 3 drafts 0.0, 0.3, 0.6, 0.2 after
+    histories 0..3 (bit 0: block 1 kept, bit 1: block 2 kept), targets 0.9 (the last block: never a reference)."""
+    t = _synthetic(n=3)
+    t.block0 = [0.5, 0.3]
+    t.draft = [[[0.6, 0.4]], [[0.1], [0.5]], [[0.0], [0.3], [0.6], [0.2]]]
+    t.target = [[[0.2]], [[0.35], [0.45]], [[0.9]] * 4]
+    return t
+
+
+def _refs(w):
+    return [None if d is None else d.reference_score for d in w.decisions]
+
+
+def test_reference_mode_walks_by_hand():
+    t = _hand_tree()
+    approx = pytest.approx
+    # anchor: every draft against block 0's 0.3; only block 0 is ever scored as a reference
+    w = T.walk(t, T.tree_router("anchor", 0.0))  # 0.4-0.3 >= 0 keep; 0.5-0.3 keep; 0.2-0.3 < 0 reject
+    assert w.leaf == 0b011 and _refs(w) == [approx(0.3)] * 3 and w.scored_target_blocks == 1
+    w = T.walk(t, T.tree_router("anchor", 0.15))  # 0.1 < 0.15 reject; 0.1-0.3 reject; 0.0-0.3 reject
+    assert w.leaf == 0 and _refs(w) == [approx(0.3)] * 3 and w.scored_target_blocks == 1  # no target block after 0
+    # baseline: against the mean of the committed blocks
+    w = T.walk(t, T.tree_router("baseline", 0.0))  # 0.4-0.3 keep; 0.5-mean(0.3,0.4) keep; 0.2-mean(.3,.4,.5) reject
+    assert w.leaf == 0b011 and _refs(w) == [approx(0.3), approx(0.35), approx(0.4)] and w.scored_target_blocks == 1
+    w = T.walk(t, T.tree_router("baseline", 0.12))  # 0.1 < 0.12 reject (target 0.2 scored); 0.1 - 0.25 reject
+    assert w.leaf == 0 and _refs(w) == [approx(0.3), approx(0.25), approx((0.3 + 0.2 + 0.35) / 3)]
+    assert w.scored_target_blocks == 3  # blocks 0, 1, 2 (the last block's target never)
+    # relative on the same tree: the last committed block
+    w = T.walk(t, T.tree_router("relative", 0.0))  # 0.4-0.3 keep; 0.5-0.4 keep; 0.2-0.5 reject
+    assert w.leaf == 0b011 and _refs(w) == [approx(0.3), approx(0.4), approx(0.5)] and w.scored_target_blocks == 1
+    for mode in ("fixed", "accept_rate"):
+        assert T.walk(t, T.tree_router(mode, 0.5)).scored_target_blocks == 0
+
+
+def test_schedule_veto_walks_and_counts_by_hand():
+    t = _hand_tree()
+    approx = pytest.approx
+    # k = 2: block 2 is the target's before drafting (no decision, history bit 0); blocks 1 and 3 drafted and vetoed
+    w = T.walk(t, T.tree_router("anchor", -0.05), schedule_every=2)  # 0.4-0.3 keep; block 3 after h=1: 0.3-0.3 keep
+    assert w.leaf == 0b101 and w.decisions[1] is None and w.drafted == 2 and _refs(w) == [approx(0.3), None, approx(0.3)]
+    assert w.scored_target_blocks == 1
+    w = T.walk(t, T.tree_router("relative", 0.0), schedule_every=2)  # keep; target block 2 (0.45) scored; 0.3-0.45 reject
+    assert w.leaf == 0b001 and _refs(w) == [approx(0.3), None, approx(0.45)] and w.scored_target_blocks == 2
+    w = T.walk(t, T.tree_router("baseline", 0.0), schedule_every=2)  # keep; 0.3 - mean(0.3, 0.4, 0.45) reject
+    assert w.leaf == 0b001 and _refs(w)[2] == approx((0.3 + 0.4 + 0.45) / 3) and w.scored_target_blocks == 2
+    w = T.walk(t, T.tree_router("fixed", -math.inf), schedule_every=2)  # no veto: the plain schedule's leaf
+    assert w.leaf == T.schedule_leaf(3, 2) and w.scored_target_blocks == 0
+    w = T.walk(t, T.tree_router("relative", 0.0), schedule_every=3)  # block 3 forced: 2 decisions, as plain relative
+    assert w.leaf == 0b011 and w.decisions[2] is None and w.scored_target_blocks == 1  # block 3 = last: not scored
+    # the cost model's counts: drafted blocks pay drafter + decode + score, a vetoed one target + decode again,
+    # a scheduled block the target and one decode, a reference mode also scores the target blocks it reads
+    r = T.evaluate([t], T.tree_router("relative", 0.0), schedule_every=2)
+    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 2, "target": 3, "decode": 5, "score": 4}
+    r = T.evaluate([t], T.tree_router("anchor", -0.05), schedule_every=2)
+    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 2, "target": 2, "decode": 4, "score": 3}
+    r = T.evaluate([t], T.tree_router("baseline", 0.12))  # plain routing: 3 drafted, 3 rejected, 3 references
+    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 3, "target": 4, "decode": 7, "score": 6}
+    assert r["quality"][0] == t.leaves[0]["quality"] and r["accepted"][0] == 0
+
+
+def test_random_is_decided_before_drafting_in_the_cost_model():
+    trees = [_synthetic(n=6, seed=s) for s in range(5)]
+    assert T.random_counts(6, 0.5) == {"drafter": 3.0, "target": 4.0, "decode": 7.0, "score": 0.0}
+    assert T.random_counts(6, 0.0) == {"drafter": 0.0, "target": 7.0, "decode": 7.0, "score": 0.0}  # = target-only
+    r = T.evaluate_random(trees, 0.25)
+    np.testing.assert_allclose(r["quality"], [T.random_expectation(t, 0.25) for t in trees])
+    # the pipeline's own draws: RandomRouter keyed by (seed, caption, block)
+    t = trees[0]
+    draws = RandomRouter(0.25, t.seed, key=t.caption)
+    assert r["leaves"][0] == sum(int(draws.decide_block(b).accept) << (b - 1) for b in range(1, 7))
+    seconds = {"drafter": 0.02, "target": 0.1, "decode": 0.04, "score": 0.005}
+    a = T.analyse(trees, grids={"random": [0.0, 0.5], "fixed": [math.inf]}, resamples=200, block_seconds=seconds)
+    zero, half = a["modes"]["random"]
+    assert zero["speedup"] == pytest.approx(1.0) and zero["router_minus_random"] == 0.0
+    assert half["counts"] == {"drafter": 15.0, "target": 20.0, "decode": 35.0, "score": 0.0}
+    assert half["speedup"] == pytest.approx(5 * 7 * 0.14 / (15 * 0.02 + 20 * 0.1 + 35 * 0.04))
+    assert half["router_minus_random"] == pytest.approx(0.0, abs=1e-12) and half["acceptance"] == 0.5
+    # verify-then-decide at acceptance 0 pays every draft, decode and score on top: slower than target-only
+    assert a["modes"]["fixed"][0]["speedup"] < 1.0
+    assert set(a["modes"]) == {"random", "fixed"}  # explicit grids: nothing else
+
+
+def test_analysis_of_every_router_and_the_pareto_front():
+    trees = [_synthetic(n=6, seed=s) for s in range(6)]
+    seconds = {"drafter": 0.02, "target": 0.18, "decode": 0.04, "score": 0.006}
+    grids = T.default_grids(trees)
+    assert set(grids) == {*T.MODES, "schedule", "random", *(f"schedule_veto_{m}" for m in T.VETO_MODES)}
+    assert grids["schedule_veto_relative"][0] == (2, "relative", -math.inf)
+    assert {k for k, _, _ in grids["schedule_veto_anchor"]} == {2, 3, 4, 6}
+    a = T.analyse(trees, grids={m: v if m == "schedule" else v[::6] for m, v in grids.items()}, resamples=200,
+                  block_seconds=seconds)
+    for mode, rows in a["modes"].items():
+        for r in rows:  # every row: its walk again, by hand
+            result = T.run_setting(trees, mode, T.setting_value(mode, r["setting"]))
+            assert r["quality"] == pytest.approx(float(np.mean(result["quality"])))
+    veto = a["modes"]["schedule_veto_relative"][0]  # k=2, tau=-inf: the plain schedule k=2, whose cost it has
+    plain = next(r for r in a["modes"]["schedule"] if r["setting"] == 2)
+    assert veto["setting"] == {"every": 2, "tau_mode": "relative", "tau": "-inf"}
+    assert veto["quality"] == plain["quality"] and veto["acceptance"] == plain["acceptance"]
+    assert veto["counts"]["drafter"] == plain["counts"]["drafter"] and veto["counts"]["score"] == 6 * (3 + 3)  # drafts 1, 3, 5; targets 0, 2, 4
+    front = a["pareto"]
+    assert front and all(x["speedup"] < y["speedup"] and x["quality"] > y["quality"] for x, y in zip(front, front[1:]))
+    everything = [r for rows in a["modes"].values() for r in rows]
+    for p in front:  # nothing beats a front point on both axes
+        assert not any(r["quality"] > p["quality"] and r["speedup"] > p["speedup"] for r in everything)
+    q0 = a["target_only"]["quality"]
+    for mode, best in a["best"].items():
+        ok = [r for r in a["modes"][mode] if r["quality"] >= 0.98 * q0]
+        assert (best is None) == (not ok)
+        if best is not None:
+            assert best["speedup"] == max(r["speedup"] for r in ok)
+    assert "k=2 relative>=-inf" in T.format_setting(veto["setting"])
+
+
+def test_the_split_is_fixed():
+    design, report = T.split_clips("design"), T.split_clips("report")
+    assert (len(design), len(report)) == (48, 40) and not {c for c, _ in design} & {c for c, _ in report}
+    assert [c for c, _ in design] == demo.prompts_for(48)  # every earlier figure: prompts 0-47
+    assert [c for c, _ in report] == demo.prompts_for(88)[48:]
+    assert report[:2] == [("a blue ball moving down on white", 0), ("a red square moving right on white", 0)]
+    with pytest.raises(ValueError, match="split must be one of"):
+        T.split_clips("all")
+
+
+# ---- tree walks of the new routers against real pipeline runs (need the engine's anchor/baseline modes, random
+# decided before drafting and SDVGOptions.schedule_veto)
+def _spy(pipe):
+    """Count what the pipeline really runs: drafter and target blocks, decodes, and whole-block scores (a 1-frame
+    seam-feature pass is not a block score)."""
+    counts = {"drafter": 0, "target": 0, "decode": 0, "score": 0}
+
+    def wrap(obj, name, key, counted=lambda *a, **k: True):
+        inner = getattr(obj, name)
+
+        def spied(*a, **k):
+            counts[key] += bool(counted(*a, **k))
+            return inner(*a, **k)
+        setattr(obj, name, spied)
+
+    wrap(pipe.drafter, "generate_block", "drafter")
+    wrap(pipe.target, "generate_block", "target")
+    wrap(pipe.vae, "decode_block", "decode")
+    wrap(pipe.router, "score_frames", "score", lambda frames, *a, **k: frames.shape[0] > 1)
+    return counts
+
+
+def _margin_midpoints(tree, mode):
+    return _midpoints(T._margins([tree], mode))
+
+
+def _run_counted(models, caption, seed, options, router_kw=None):
+    pipe = demo.build_pipeline(models, preset="native")
+    pipe.router = RewardRouter(models.scorer, **(router_kw or {}))
+    counts = _spy(pipe)
+    result = pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
+                           seed=seed, options=options)
+    return result, counts
+
+
+def test_anchor_baseline_and_veto_walks_are_the_pipelines_runs(models, built):
+    leaves = set()
+    for i, ((caption, seed), (tree, frames)) in enumerate(built.items()):
+        for mode in ("anchor", "baseline", "relative"):
+            for every, tau in [(None, t) for t in _margin_midpoints(tree, mode)[i::2]] + [(2, _margin_midpoints(tree, mode)[0]), (0, 0.0)]:
+                router = T.tree_router(mode, tau)
+                w = T.walk(tree, router, schedule_every=every or 0)
+                expected = T.evaluate([tree], router, schedule_every=every or 0)
+                options = SDVGOptions() if every is None else SDVGOptions(mode="schedule", schedule_every=every,
+                                                                          schedule_veto=True)
+                result, counts = _run_counted(models, caption, seed, options, {"tau_mode": mode, "tau": tau})
+                assert torch.equal(frames[w.leaf], result.frames), (caption, mode, every, tau)
+                assert result.report["decisions"][1:] == ["draft" if w.leaf >> b & 1 else "target"
+                                                          for b in range(tree.num_decisions)]
+                for d, block in zip(w.decisions, result.blocks[1:]):
+                    if d is None:
+                        assert block.decision is None  # scheduled: the target's, never drafted
+                        continue
+                    assert d.block_score == block.decision.block_score and d.tau == block.decision.tau
+                    assert d.reference_score == pytest.approx(block.decision.reference_score, abs=0)
+                assert counts == {k: int(v[0]) for k, v in expected["counts"].items()}, (caption, mode, every, tau)
+                leaves.add((mode, w.leaf))
+    assert len({leaf for _, leaf in leaves}) >= 3
+
+
+def test_random_mode_is_the_tree_walk_and_drafts_only_what_it_keeps(models, built):
+    for (caption, seed), (tree, frames) in built.items():
+        for p in (0.3, 0.7):
+            leaf = T.random_walk(tree, p)
+            result, counts = _run_counted(models, caption, seed, SDVGOptions(mode="random", random_accept_prob=p))
+            assert torch.equal(frames[leaf], result.frames), (caption, p)
+            n, kept = tree.num_decisions, bin(leaf).count("1")
+            assert counts == {"drafter": kept, "target": 1 + n - kept, "decode": 1 + n, "score": 0}

@@ -28,7 +28,7 @@ import torch
 
 from ..context import GlobalCache, RecomputeWindow
 from ..generator import CausalGenerator
-from ..pipeline import SDVGOptions, SpeculativePipeline
+from ..pipeline import SDVGOptions, SpeculativePipeline, video_frames_to_latent_frames
 from ..presets import check_preset
 from ..router import RewardRouter
 from .models import load_toy_models, vae_round_trip
@@ -46,6 +46,30 @@ SHOWCASE_PROMPTS = (
     "a blue triangle moving right on black",
     "a red square moving left on white",
 )
+
+
+# Routing settings chosen on the design set of the held-out split (tree.DESIGN_PROMPTS: prompts 0-47) by
+# bench/bench_routing.py (docs/routing.md). The demo judges them, and its taus, on report-set clips (tree.REPORT_PROMPTS), which nothing was
+# chosen on. Keys and values as the tree tool's grids: {mode: setting}.
+ROUTING_CHOICE = {  # the best quality at >= 1.6x (cost model) on the design set, rounded (outputs/routing.json)
+    "fixed": -0.918,
+    "accept_rate": 0.85,
+    "relative": -0.172,
+    "baseline": -0.164,
+    "random": 0.6,
+    "schedule": 3,
+    "schedule_veto_relative": (4, "relative", -0.447),
+}
+
+
+def report_prompts(n: int) -> list[str]:
+    """The first ``n`` prompts of the held-out report set (:data:`sdvg_engine.toy.tree.REPORT_PROMPTS`)."""
+    from .tree import REPORT_PROMPTS
+
+    lo, hi = REPORT_PROMPTS
+    if not 1 <= n <= hi - lo:
+        raise ValueError(f"the report set has {hi - lo} prompts; asked for {n}")
+    return prompts_for(hi)[lo:lo + n]
 
 
 def prompts_for(n: int) -> list[str]:
@@ -151,10 +175,12 @@ def summarize(configs: dict) -> None:
 
 
 def tree_verdict(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, preset: str = "native",
-                 cache: Path | None = None, log=print) -> dict:
+                 cache: Path | None = None, log=print, block_seconds: dict | None = None) -> dict:
     """Router vs random at the same acceptance, on the whole decision trees of the demo's own clips: each tau's
     router walked on the trees (the same clips as its sdvg runs) against the exact expectation of random routing
-    at its realized acceptance, with bootstrap CIs over clips (:func:`sdvg_engine.toy.tree.analyse`)."""
+    at its realized acceptance, with bootstrap CIs over clips (:func:`sdvg_engine.toy.tree.analyse`); and every
+    router's setting chosen on the design set (:data:`ROUTING_CHOICE`), with cost-model speedups from
+    ``block_seconds`` (:func:`block_seconds_of`)."""
     from .models import WEIGHTS
     from .tree import TreeBuilder, analyse, load_or_build, weights_hash
 
@@ -162,7 +188,27 @@ def tree_verdict(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, preset:
     trees = [load_or_build(builder, cache, p, s, log=log) for p in prompts for s in seeds]
     report = analyse(trees, grids={"fixed": [float(t) for t in taus]})
     report["clips"] = [{"caption": t.caption, "seed": t.seed, "build_seconds": t.build_seconds} for t in trees]
+    # the settings chosen on the design set (ROUTING_CHOICE), walked on the same trees; speed from block_seconds
+    chosen = analyse(trees, grids={m: [v] for m, v in ROUTING_CHOICE.items()}, block_seconds=block_seconds)
+    report["chosen_on_design"] = {m: rows[0] for m, rows in chosen["modes"].items()}
     return report
+
+
+def block_seconds_of(configs: dict, num_frames: int = NUM_FRAMES) -> dict | None:
+    """Per-block seconds of each component from the sweep's own runs (no extra run): drafter from draft-only, target
+    from target-only, decode from both, score from the sdvg runs' reward seconds per scored block."""
+    blocks = video_frames_to_latent_frames(num_frames, 3) // 3
+    try:
+        t, d = configs["target_only"]["runs"], configs["draft_only"]["runs"]
+    except KeyError:
+        return None
+    n = len(t)
+    scored = [(r["seconds"]["reward"], r["drafted_blocks"]) for c in configs.values() if c["mode"] == "sdvg" for r in c["runs"]]
+    drafted = sum(b for _, b in scored)
+    return {"drafter": sum(r["seconds"]["drafter"] for r in d) / (n * blocks),
+            "target": sum(r["seconds"]["target"] for r in t) / (n * blocks),
+            "decode": (sum(r["seconds"]["vae"] for r in t) + sum(r["seconds"]["vae"] for r in d)) / (2 * n * blocks),
+            "score": sum(s for s, _ in scored) / drafted if drafted else 0.0, "source": "the demo's own runs"}
 
 
 def findings(configs: dict, trees: dict | None = None) -> dict:
@@ -202,8 +248,12 @@ def findings(configs: dict, trees: dict | None = None) -> dict:
         "router_vs_random_margin": margin, "router_vs_random_pairs": len(informative),
         "router_beats_random": None if margin is None else bool(margin > 0),
         "router_vs_random_margin_ci": ci, "router_vs_random_band": None if trees is None else trees["band"],
-        "router_vs_random_source": None if trees is None else f"exact, on the whole decision trees of {len(trees['clips'])} clip(s)",
+        "router_vs_random_source": None if trees is None else (
+            f"exact, on the whole decision trees of {len(trees['clips'])} "
+            f"{'held-out report-set ' if trees.get('held_out') else ''}clip(s)"),
         "trees_match_runs": runs_match,
+        "held_out": None if trees is None else trees.get("held_out"),
+        "chosen_on_design": None if trees is None else trees.get("chosen_on_design"),
     }
 
 
@@ -320,7 +370,11 @@ def format_table(configs: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs", help="output folder (created)")
-    ap.add_argument("--prompts", type=int, default=4, help="number of prompts (showcase prompts first)")
+    ap.add_argument("--prompts", type=int, default=4, help="number of prompts (of --prompt-set)")
+    ap.add_argument("--prompt-set", choices=("report", "showcase"), default="report",
+                    help="report (default): the first prompts of the held-out report set (prompts 48-87 of the tree "
+                         "tool's split, on which no tau or router was chosen), so that the routing verdict comes from "
+                         "clips nothing was tuned on; showcase: the showcase prompts (the design set)")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per prompt")
     ap.add_argument("--taus", type=float, nargs="+", default=list(DEFAULT_TAUS), help="SDVG thresholds to sweep")
     ap.add_argument("--threads", type=int, default=1,
@@ -342,7 +396,7 @@ def main(argv=None) -> dict:
     (out / "videos").mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     models = load_toy_models()
-    prompts = prompts_for(args.prompts)
+    prompts = report_prompts(args.prompts) if args.prompt_set == "report" else prompts_for(args.prompts)
     seeds = list(range(args.seeds))
     print(f"SDVG toy demo: {len(prompts)} prompts x {len(seeds)} seeds, taus {args.taus}, {args.frames} frames of {SIZE}x{SIZE}, "
           f"preset {args.preset}, {args.workers} worker(s)")
@@ -367,7 +421,9 @@ def main(argv=None) -> dict:
     write_pareto(configs, out / "pareto.png")
     print(f"decision trees of the {len(prompts) * len(seeds)} clip(s) for the router-vs-random verdict:")
     trees = tree_verdict(models, prompts, seeds, args.taus, num_frames=args.frames, preset=args.preset,
-                         cache=Path(args.tree_cache) if args.tree_cache else out / "tree_cache")
+                         cache=Path(args.tree_cache) if args.tree_cache else out / "tree_cache",
+                         block_seconds=block_seconds_of(compare if compare else configs, args.frames))
+    trees["held_out"] = args.prompt_set == "report"
     summary = findings(configs, trees)
     summary["ceiling"] = vae_ceiling(models.vae, prompts, num_frames=args.frames)
     report = {"num_frames": args.frames, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
@@ -390,7 +446,7 @@ def main(argv=None) -> dict:
     print(f"target vs drafter quality: {f['target_quality']:.3f} vs {f['drafter_quality']:.3f} "
           f"({100 * (f['target_vs_drafter_gain'] or 0):+.1f}%)")
     b = f["best_tau_within_98pct_of_target"]
-    print("best tau within 98% of target quality: " + ("none" if b is None else
+    print("best tau of this sweep within 98% of target quality (picked on these clips themselves): " + ("none" if b is None else
           f"tau={b['tau']:g} quality {b['quality']:.3f} ({100 * (b['quality_ratio'] or 0):.1f}% of target) at {b['speedup']:.2f}x, acceptance {b['acceptance']:.2f}"))
     print(f"reward router vs random routing at the same acceptance ({f['router_vs_random_source']}; random = its exact "
           "expectation):")
@@ -406,9 +462,22 @@ def main(argv=None) -> dict:
               f"{'router better' if f['router_beats_random'] else 'router not better'}")
     else:
         print(f"verdict: no tau reached an acceptance in {band[0]}-{band[1]}")
+    chosen = f.get("chosen_on_design") or {}
+    if chosen:
+        from .tree import format_setting
+
+        where = "held-out report-set clips" if f["held_out"] else "design-set clips (NOT held out: use --prompt-set report)"
+        print(f"settings chosen on the design set (prompts 0-47), judged on these {where} (cost model, 1 worker):")
+        for mode, r in chosen.items():
+            lo, hi = r["router_minus_random_ci"]
+            speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+            print(f"  {mode} {format_setting(r['setting'])}: acceptance {r['acceptance']:.2f}, quality {r['quality']:.3f} "
+                  f"({100 * r['quality_ratio_to_target']:.1f}% of target-only), {speed}, router - random "
+                  f"{r['router_minus_random']:+.3f} (95% CI {lo:+.3f} to {hi:+.3f})")
     if f["trees_match_runs"] is False:
         print("  (warning: a tree path differs from its sdvg run; the trees were built with other weights or settings?)")
     kinds = sorted({Path(v).suffix for v in files["videos"]})
+    print("(the 40-clip figures: python bench/bench_routing.py; docs/routing.md)")
     note = "" if ".mp4" in kinds or not kinds else " (WebP only: install PyAV for MP4)"
     print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/{note}, acceptance_mask.png, pareto.png, "
           f"report.json ({report['seconds']:.0f}s)")

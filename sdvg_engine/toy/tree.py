@@ -12,14 +12,21 @@ decode cache and both models' contexts are rolled back between siblings with the
 A root-to-leaf path is what ``pipeline.generate`` outputs for the same decisions, bit for bit (tests check it).
 
 On the saved trees any router is scored exactly by walking the tree (:func:`walk`): fixed tau, adaptive
-(``accept_rate``, a fresh :class:`TauState` per video, as the pipeline) and relative (draft score minus the last
-committed block's score). Random routing at acceptance ``p`` is scored as its exact expectation, not by sampling:
+(``accept_rate``, a fresh :class:`TauState` per video, as the pipeline), the reference modes relative, anchor and
+baseline (draft score minus the last committed block's, block 0's, or the committed blocks' mean score), mode
+``schedule`` (k) and the schedule with a veto (``schedule_veto_<mode>``). Random routing at acceptance ``p`` is scored
+as its exact expectation, not by sampling:
 
     E_p[Q] = sum over leaves L of  p**k(L) * (1 - p)**(n - k(L)) * Q(L)
 
 with ``k(L)`` the accepted drafts on the path to ``L`` and ``n = B - 1`` the drafted blocks, per clip, then averaged
 over clips, with ``p`` the router's realized acceptance over all clips (accepted / drafted blocks). Confidence
 intervals resample clips (bootstrap, seeded). See docs/toy_tree.md for every number of the report.
+
+The cost model counts what each router runs: verify-then-decide routers draft, decode and score every routed block;
+random routing and schedules decide before drafting, so a block they give the target costs the target alone.
+``--split design|report`` takes the fixed held-out split (:data:`DESIGN_PROMPTS`, :data:`REPORT_PROMPTS`);
+``bench/bench_routing.py`` chooses on one and reports on the other (docs/routing.md).
 
 ``--keep-frames`` also saves the frames every node scored (:mod:`.tree_frames`), so that ``--reward FILE`` can score
 the same trees with another reward model without generating anything, and the report compares the scores with the
@@ -44,7 +51,7 @@ import torch
 
 from ..context import GlobalCache
 from ..pipeline import SDVGOptions, pad_text, unit_frames, video_frames_to_latent_frames
-from ..router import RewardRouter, TauState
+from ..router import RandomRouter, RewardRouter, TauState
 from ..sampling import SeededNoise
 from .demo import NUM_FRAMES, build_pipeline, prompts_for
 from .models import WEIGHTS, load_reward, load_toy_models, sha256
@@ -55,7 +62,9 @@ from .world import SIZE, clip_metrics
 __all__ = [
     "ClipTree", "TreeBuilder", "Walk", "walk", "tree_router", "random_expectation", "random_coefficients",
     "evaluate", "analyse", "bootstrap_weights", "weights_hash", "tree_path", "load_or_build", "measure_block_seconds",
-    "main",
+    "main", "scheduled", "random_walk", "random_counts", "evaluate_random", "evaluate_schedule", "schedule_leaf",
+    "default_grids", "run_setting", "setting_value", "best_row", "best_at_speed", "pareto_front", "split_clips",
+    "DESIGN_PROMPTS", "REPORT_PROMPTS", "SPLITS", "is_veto",
 ]
 
 TREE_VERSION = 1
@@ -66,7 +75,18 @@ BAND = (0.1, 0.9)  # acceptances over which router - random is averaged
 QUALITY_SHARE = 0.98  # "within 98% of target-only quality"
 RATES = tuple(round(0.05 * i, 2) for i in range(1, 20))  # accept_rate grid
 GRID_POINTS = 41  # fixed / relative tau grid: quantiles of the trees' own scores (or margins), plus +-inf
-MODES = ("fixed", "accept_rate", "relative")
+MODES = ("fixed", "accept_rate", "relative", "anchor", "baseline")  # the reward routers (RewardRouter tau modes)
+RANDOM_P = tuple(round(0.05 * i, 2) for i in range(0, 21))  # random routing (decided before drafting) grid
+VETO_MODES = ("fixed", "relative", "anchor", "baseline")  # schedule_veto_<m>: the router that may veto a draft
+VETO_EVERY = (2, 3, 4, 6)  # schedule_veto: k
+VETO_QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.3)  # schedule_veto: taus at these quantiles of the mode's margins
+SPEED_TARGET = 1.6  # "matched speed": the best quality at >= this cost-model speedup
+# The held-out split (issue 24), indices into demo.prompts_for(REPORT_PROMPTS[1]) (showcase prompts first): every
+# earlier figure (and every default: taus, rates, the reward's training checks) used prompts 0-47; prompts 48-87 were
+# used by nothing before the split. Choose settings on DESIGN only; quote REPORT.
+DESIGN_PROMPTS = (0, 48)
+REPORT_PROMPTS = (48, 88)
+SPLITS = {"design": DESIGN_PROMPTS, "report": REPORT_PROMPTS}
 
 
 # ============================================================================================== the tree
@@ -238,39 +258,76 @@ def tree_router(tau_mode: str = "fixed", value: float = 0.0, *, aggregation: str
 
 @dataclass
 class Walk:
-    """A router's path through one tree: the leaf it ends in and its decisions (``decisions[i]`` = block ``i + 1``)."""
+    """A router's path through one tree: the leaf it ends in and its decisions (``decisions[i]`` = block ``i + 1``;
+    ``None`` for a block a schedule gave the target before drafting)."""
 
     leaf: int
     decisions: list
-    scored_target_blocks: int  # target blocks the router scored (relative mode: the references)
+    scored_target_blocks: int  # committed target blocks scored for later references (reference modes)
 
     @property
     def accepted(self) -> int:
         return bin(self.leaf).count("1")
 
+    @property
+    def drafted(self) -> int:
+        """Blocks the drafter made (and that were decoded and scored): those with a decision."""
+        return sum(d is not None for d in self.decisions)
 
-def walk(tree: ClipTree, router: RewardRouter, tau_state: TauState | None = None) -> Walk:
+
+def scheduled(b: int, every: int) -> bool:
+    """Whether mode ``schedule`` gives block ``b`` (1..n) to the target before drafting (``b % every == 0``)."""
+    return every > 0 and b % every == 0
+
+
+def walk(tree: ClipTree, router: RewardRouter, tau_state: TauState | None = None, *, schedule_every: int = 0) -> Walk:
     """Route every drafted block of ``tree`` with ``router`` exactly as the pipeline would (same :meth:`decide`,
-    a fresh :class:`TauState` per video unless one is carried in, relative references from the committed blocks)."""
+    a fresh :class:`TauState` per video unless one is carried in, references from the committed blocks).
+
+    Reference modes (relative / anchor / baseline): ``committed`` holds the block score of every committed block in
+    order (block 0 first): an accepted draft's decision score, a target block's ``block_score`` where
+    ``router.needs_committed_score(b)`` and a later draft can read it (never the last block's), else ``None``; each
+    draft is decided against ``router.reference_of(committed)``.
+
+    ``schedule_every = k > 0``: mode ``schedule`` with its veto (``SDVGOptions.schedule_veto``): blocks ``k, 2k, ...``
+    are the target's, decided before drafting (history bit 0, no draft, no decision: ``None`` in ``decisions``);
+    every other block is drafted, scored and routed by ``router``."""
     if router.temporal_weight != 0.0:
         raise ValueError("trees keep no frame features: walk them with temporal_weight=0")
     state = tau_state if tau_state is not None else router.new_tau_state()
-    relative = router.tau_mode == "relative"
-    reference = router.block_score(tree.block0) if relative else None
-    scored_targets = int(relative and tree.num_decisions > 0)
+    n = tree.num_decisions
+    scored_targets = 0
+
+    def target_score(b: int, scores) -> float | None:
+        """The committed target block ``b``'s score where the pipeline scores it: a reference mode that needs it
+        (:meth:`RewardRouter.needs_committed_score`), not the last block (else ``None``, not scored)."""
+        nonlocal scored_targets
+        if router.uses_reference and router.needs_committed_score(b) and b < n:
+            scored_targets += 1
+            return router.block_score(scores)
+        return None
+
+    committed = [target_score(0, tree.block0)]
     history, decisions = 0, []
-    for b in range(1, tree.num_decisions + 1):
+    for b in range(1, n + 1):
+        if scheduled(b, schedule_every):
+            decisions.append(None)
+            committed.append(target_score(b, tree.target[b - 1][history]))
+            continue
+        reference = router.reference_of(committed) if router.uses_reference else None
         decision = router.decide(tree.draft[b - 1][history], tau=router.block_tau(state), reference=reference)
         state.observe(decision.block_score)
         decisions.append(decision)
-        if relative:
-            if decision.accept:
-                reference = decision.block_score
-            else:
-                reference = router.block_score(tree.target[b - 1][history])
-                scored_targets += b < tree.num_decisions  # the last block's score is never needed
+        committed.append(decision.block_score if decision.accept else target_score(b, tree.target[b - 1][history]))
         history |= int(decision.accept) << (b - 1)
     return Walk(history, decisions, scored_targets)
+
+
+def random_walk(tree: ClipTree, p: float) -> int:
+    """The leaf of mode ``random`` with ``random_accept_prob=p`` on ``tree``'s clip: the pipeline's
+    :class:`RandomRouter` keyed by ``(seed, caption, block)``, decided before drafting."""
+    router = RandomRouter(p, tree.seed, key=tree.caption)
+    return sum(int(router.decide_block(b).accept) << (b - 1) for b in range(1, tree.num_decisions + 1))
 
 
 def _accept_counts(n: int) -> np.ndarray:
@@ -331,20 +388,44 @@ class _Clips:
                    np.array([t.leaves[0]["quality"] for t in trees]), np.array([t.draft_only["quality"] for t in trees]))
 
 
-def evaluate(trees, router: RewardRouter) -> dict:
+def evaluate(trees, router: RewardRouter, *, schedule_every: int = 0) -> dict:
     """Per-clip results of ``router`` on ``trees``: ``quality`` [N], ``accepted`` [N], ``leaves`` and the block
-    counts of the cost model (drafter, target, decode, score blocks per clip)."""
-    walks = [walk(t, router) for t in trees]
+    counts of the cost model (drafter, target, decode, score blocks per clip), counting what the pipeline runs:
+    verify-then-decide drafts, decodes and scores every block it routes, and a rejected one is generated and decoded
+    again by the target; reference modes also score the committed target blocks a later reference reads.
+    ``schedule_every = k > 0``: mode ``schedule`` with its veto (:func:`walk`): the scheduled blocks cost the target
+    and one decode, nothing else."""
+    walks = [walk(t, router, schedule_every=schedule_every) for t in trees]
     n = trees[0].num_decisions
     accepted = np.array([w.accepted for w in walks], dtype=np.float64)
-    rejected = n - accepted
+    drafted = np.array([w.drafted for w in walks], dtype=np.float64)
+    rejected = drafted - accepted
     scored_targets = np.array([w.scored_target_blocks for w in walks], dtype=np.float64)
     return {
         "quality": np.array([t.leaves[w.leaf]["quality"] for t, w in zip(trees, walks)]),
         "accepted": accepted,
         "leaves": [w.leaf for w in walks],
-        "counts": {"drafter": np.full(len(trees), float(n)), "target": 1.0 + rejected, "decode": 1.0 + n + rejected,
-                   "score": n + scored_targets},
+        "counts": {"drafter": drafted, "target": 1.0 + (n - drafted) + rejected, "decode": 1.0 + n + rejected,
+                   "score": drafted + scored_targets},
+    }
+
+
+def random_counts(n: int, p: float) -> dict:
+    """Expected blocks per clip of mode ``random`` at ``p``, decided before drafting: a block it gives the target
+    is never drafted, decoded twice or scored (drafter ``p n``, target ``1 + (1 - p) n``, decode ``1 + n``)."""
+    return {"drafter": p * n, "target": 1.0 + (1.0 - p) * n, "decode": 1.0 + n, "score": 0.0}
+
+
+def evaluate_random(trees, p: float) -> dict:
+    """Per-clip results of random routing at ``p`` as :func:`evaluate`, in expectation (exact): ``quality`` is
+    :func:`random_expectation`, ``accepted`` ``p n``, the counts :func:`random_counts`. ``leaves``: the leaf the
+    pipeline's own draws reach (:func:`random_walk`), for reference."""
+    n, N = trees[0].num_decisions, len(trees)
+    return {
+        "quality": np.array([random_expectation(t, p) for t in trees]),
+        "accepted": np.full(N, p * n),
+        "leaves": [random_walk(t, p) for t in trees],
+        "counts": {k: np.full(N, v) for k, v in random_counts(n, p).items()},
     }
 
 
@@ -379,11 +460,18 @@ def _speedup(counts: dict, num_blocks: int, num_clips: int, seconds: dict | None
     return baseline / cost if cost > 0 else None
 
 
-def _grid(trees, tau_mode: str) -> list[float]:
-    """Default settings of a mode: quantiles of the trees' draft scores (fixed) or of the margins over the committed
-    block before them (relative), with -inf and +inf; the RATES grid for accept_rate."""
-    if tau_mode == "accept_rate":
-        return list(RATES)
+def _committed_min(tree: ClipTree, b: int, h: int) -> list[float]:
+    """Min-aggregated block scores of the blocks committed before block ``b`` on history ``h`` (block 0 first)."""
+    out = [min(tree.block0)]
+    for i in range(1, b):
+        prefix = h & ((1 << (i - 1)) - 1)
+        out.append(min((tree.draft if (h >> (i - 1)) & 1 else tree.target)[i - 1][prefix]))
+    return out
+
+
+def _margins(trees, tau_mode: str) -> np.ndarray:
+    """Every node's draft score (fixed) or its margin over the reference of the history before it (reference modes:
+    relative, anchor, baseline; min aggregation), finite ones only."""
     values = []
     for t in trees:
         for b in range(1, t.num_decisions + 1):
@@ -392,29 +480,92 @@ def _grid(trees, tau_mode: str) -> list[float]:
                 if tau_mode == "fixed":
                     values.append(draft)
                     continue
-                if b == 1:
-                    ref = min(t.block0)
-                else:
-                    parent, bit = h & ~(1 << (b - 2)), (h >> (b - 2)) & 1
-                    ref = min((t.draft if bit else t.target)[b - 2][parent])
+                committed = _committed_min(t, b, h)
+                ref = {"relative": committed[-1], "anchor": committed[0]}.get(tau_mode, float(np.mean(committed)))
                 values.append(draft - ref)
-    values = np.array([v for v in values if math.isfinite(v)])
+    return np.array([v for v in values if math.isfinite(v)])
+
+
+def _grid(trees, tau_mode: str) -> list[float]:
+    """Default settings of a mode: quantiles of the trees' draft scores (fixed) or of the margins over the reference
+    before them (relative, anchor, baseline), with -inf and +inf; the RATES grid for accept_rate."""
+    if tau_mode == "accept_rate":
+        return list(RATES)
+    values = _margins(trees, tau_mode)
     grid = np.unique(np.quantile(values, np.linspace(0, 1, GRID_POINTS))) if values.size else np.array([])
     return [-math.inf, *[float(v) for v in grid], math.inf]
 
 
+def _veto_grid(trees, tau_mode: str) -> list[tuple[int, str, float]]:
+    """Default settings of ``schedule_veto_<tau_mode>``: every ``k`` of :data:`VETO_EVERY` up to ``n`` x the
+    :data:`VETO_QUANTILES` of the mode's margins (low quantiles: a veto rejects few drafts) and -inf (no veto: the
+    plain schedule)."""
+    n = trees[0].num_decisions
+    values = _margins(trees, tau_mode)
+    taus = [-math.inf] + ([float(v) for v in np.quantile(values, VETO_QUANTILES)] if values.size else [])
+    return [(k, tau_mode, tau) for k in VETO_EVERY if k <= n for tau in taus]
+
+
+def is_veto(mode: str) -> bool:
+    """Whether ``mode`` names a schedule with a veto (``schedule_veto_<tau mode>``, settings ``(k, tau_mode, tau)``)."""
+    return mode.startswith("schedule_veto")
+
+
+def default_grids(trees) -> dict:
+    """Every mode's default settings: the routers' :func:`_grid`, ``schedule`` k = 0 .. n, ``random`` p in
+    :data:`RANDOM_P`, ``schedule_veto_<m>`` for each veto mode ``m`` of :data:`VETO_MODES` (:func:`_veto_grid`)."""
+    n = trees[0].num_decisions
+    return {**{m: _grid(trees, m) for m in MODES}, "schedule": list(range(0, n + 1)), "random": list(RANDOM_P),
+            **{f"schedule_veto_{m}": _veto_grid(trees, m) for m in VETO_MODES}}
+
+
+def _setting_json(mode: str, value):
+    finite = lambda v: v if math.isfinite(v) else str(v)  # noqa: E731
+    if is_veto(mode):
+        k, tau_mode, tau = value
+        return {"every": int(k), "tau_mode": tau_mode, "tau": finite(float(tau))}
+    if mode == "schedule":
+        return int(value)
+    return finite(float(value))
+
+
+def setting_value(mode: str, setting):
+    """The inverse of a row's JSON ``setting``: a float (``"inf"`` strings back to floats), ``k`` for ``schedule``,
+    ``(k, tau_mode, tau)`` for ``schedule_veto_*``."""
+    if is_veto(mode):
+        return int(setting["every"]), setting["tau_mode"], float(setting["tau"])
+    if mode == "schedule":
+        return int(setting)
+    return float(setting)
+
+
+def run_setting(trees, mode: str, value, aggregation: str = "min") -> dict:
+    """:func:`evaluate` (or its schedule / random variants) of one setting of one mode."""
+    if mode == "schedule":
+        return evaluate_schedule(trees, int(value))
+    if mode == "random":
+        return evaluate_random(trees, float(value))
+    if is_veto(mode):
+        k, tau_mode, tau = value
+        return evaluate(trees, tree_router(tau_mode, tau, aggregation=aggregation), schedule_every=int(k))
+    return evaluate(trees, tree_router(mode, value, aggregation=aggregation))
+
+
 def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = None, resamples: int = RESAMPLES,
-            seed: int = BOOTSTRAP_SEED, aggregation: str = "min", band: tuple = BAND) -> dict:
-    """Every router of ``grids`` (``{"fixed": [tau, ...], "accept_rate": [r, ...], "relative": [tau, ...]}``; default:
-    :func:`_grid` of each mode) scored exactly on ``trees``, against random routing at the same acceptance, with
-    bootstrap CIs over clips. See docs/toy_tree.md for the fields."""
+            seed: int = BOOTSTRAP_SEED, aggregation: str = "min", band: tuple = BAND,
+            extra_bands: dict | None = None) -> dict:
+    """Every setting of ``grids`` scored exactly on ``trees``, against random routing at the same acceptance, with
+    bootstrap CIs over clips. ``grids``: ``{mode: [setting, ...]}`` with modes the routers' (:data:`MODES`: tau, or the
+    share r for ``accept_rate``), ``schedule`` (k), ``random`` (p, decided before drafting) and ``schedule_veto_<m>``
+    (``(k, tau_mode, tau)``: the schedule with a veto, :func:`walk`); default :func:`default_grids`. ``extra_bands``:
+    ``{name: (lo, hi)}``, more acceptance bands to average router - random over (``average_in_bands[name][mode]``).
+    See docs/toy_tree.md for the fields."""
     if not trees:
         raise ValueError("no trees to analyse")
     clips = _Clips.of(trees)
     N, n = len(trees), clips.n
     W = bootstrap_weights(N, resamples, seed)
-    grids = grids if grids is not None else {m: _grid(trees, m) for m in MODES}
-    settings_json = lambda v: v if math.isfinite(v) else str(v)  # noqa: E731
+    grids = grids if grids is not None else default_grids(trees)
     report = {
         "clips": N, "drafted_blocks_per_clip": n,
         "bootstrap": {"resamples": resamples, "seed": seed, "level": 0.95, "over": "clips"},
@@ -423,14 +574,16 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
         "draft_only": {"quality": float(clips.draft_only.mean()), "ci": _ci(W @ clips.draft_only / N)},
         "modes": {}, "average_in_band": {}, "band": list(band),
     }
-    # mode "schedule" (decided before drafting, one row per k) beside the routers' grids
-    every = range(0, n + 1)
-    jobs = [(m, [(v, lambda v=v, m=m: evaluate(trees, tree_router(m, v, aggregation=aggregation))) for v in values])
-            for m, values in grids.items()] + [("schedule", [(k, lambda k=k: evaluate_schedule(trees, k)) for k in every])]
-    for mode, settings in jobs:
+    extra_bands = dict(extra_bands or {})
+    if extra_bands:
+        report["average_in_bands"] = {name: {} for name in extra_bands}
+        report["bands"] = {name: list(b) for name, b in extra_bands.items()}
+    q0 = clips.target_only.mean()
+    for mode, values in grids.items():
         rows, in_band, in_band_boot = [], [], []
-        for value, run in settings:
-            result = run()
+        extra = {name: ([], []) for name in extra_bands}
+        for value in values:
+            result = run_setting(trees, mode, value, aggregation)
             q, a = result["quality"], result["accepted"]
             p = float(a.sum() / (N * n))
             random = float(np.mean(clips.coef @ _bernstein(p, n)))
@@ -440,10 +593,11 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
             random_r = np.einsum("rk,rk->r", W @ clips.coef, _bernstein(p_r, n)) / N
             diff_r = q_r - random_r
             row = {
-                "setting": value if isinstance(value, int) else settings_json(float(value)), "acceptance": p, "quality": float(q.mean()), "quality_ci": _ci(q_r),
-                "random_quality": random, "router_minus_random": float(q.mean()) - random,
+                "setting": _setting_json(mode, value), "acceptance": p, "quality": float(q.mean()),
+                "quality_ci": _ci(q_r), "random_quality": random, "router_minus_random": float(q.mean()) - random,
                 "router_minus_random_ci": _ci(diff_r),
-                "quality_ratio_to_target": float(q.mean() / clips.target_only.mean()) if clips.target_only.mean() > 0 else None,
+                "quality_ratio_to_target": float(q.mean() / q0) if q0 > 0 else None,
+                "quality_ratio_ci": _ci(q_r / (W @ clips.target_only / N)) if q0 > 0 else None,
                 "counts": {k: float(v.sum()) for k, v in result["counts"].items()},
                 "speedup": _speedup(result["counts"], n + 1, N, block_seconds),
             }
@@ -451,16 +605,54 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
             if band[0] <= p <= band[1]:
                 in_band.append(row["router_minus_random"])
                 in_band_boot.append(diff_r)
+            for name, (lo, hi) in extra_bands.items():
+                if lo <= p <= hi:
+                    extra[name][0].append(row["router_minus_random"])
+                    extra[name][1].append(diff_r)
+        for name, (point, boot) in extra.items():
+            report["average_in_bands"][name][mode] = None if not point else {
+                "router_minus_random": float(np.mean(point)), "ci": _ci(np.mean(boot, axis=0)), "settings": len(point)}
         report["modes"][mode] = rows
         report["average_in_band"][mode] = None if not in_band else {
             "router_minus_random": float(np.mean(in_band)), "ci": _ci(np.mean(in_band_boot, axis=0)),
             "settings": len(in_band)}
     report["best_fixed_tau"] = _best_fixed(report)
+    report["best"] = {m: best_row(rows, q0) for m, rows in report["modes"].items()}
+    report["pareto"] = pareto_front(report)
     report["per_clip"] = [{"caption": t.caption, "seed": t.seed, "target_only": t.leaves[0]["quality"],
                            "draft_only": t.draft_only["quality"], "all_accept": t.leaves[-1]["quality"],
                            "best_leaf": float(t.leaf_quality().max()), "worst_leaf": float(t.leaf_quality().min()),
                            "build_seconds": t.build_seconds} for t in trees]
     return report
+
+
+def best_row(rows, target_quality: float, share: float = QUALITY_SHARE) -> dict | None:
+    """The row with the highest cost-model speedup (then acceptance) whose quality is >= ``share`` x target-only."""
+    good = [r for r in rows if target_quality > 0 and r["quality"] >= share * target_quality]
+    return max(good, key=lambda r: (r["speedup"] or 0.0, r["acceptance"])) if good else None
+
+
+def best_at_speed(rows, speedup: float) -> dict | None:
+    """The row with the highest quality among those with cost-model speedup >= ``speedup``."""
+    fast = [r for r in rows if (r["speedup"] or 0.0) >= speedup]
+    return max(fast, key=lambda r: (r["quality"], r["speedup"])) if fast else None
+
+
+def pareto_front(report: dict, modes=None) -> list[dict]:
+    """Rows of ``report["modes"]`` (every mode, or ``modes``) that no other row beats on both quality and cost-model
+    speedup, by speedup ascending, each with its ``mode``. Empty without timings."""
+    rows = [{"mode": m, **r} for m, rs in report["modes"].items() if modes is None or m in modes for r in rs
+            if r["speedup"] is not None]
+    front = [r for r in rows if not any(o["quality"] >= r["quality"] and o["speedup"] >= r["speedup"]
+                                        and (o["quality"] > r["quality"] or o["speedup"] > r["speedup"]) for o in rows)]
+    out, seen = [], set()
+    for r in sorted(front, key=lambda r: (r["speedup"], r["quality"])):
+        key = (round(r["speedup"], 12), round(r["quality"], 12))
+        if key not in seen:  # equal points (e.g. random p=0 and tau=+inf never both): keep the first
+            seen.add(key)
+            out.append({k: r[k] for k in ("mode", "setting", "acceptance", "quality", "quality_ratio_to_target",
+                                          "speedup", "router_minus_random", "router_minus_random_ci")})
+    return out
 
 
 def best_fixed_from(path: Path) -> dict:
@@ -571,6 +763,15 @@ def clip_list(clips: int, seeds: int = 1, skip: int = 0) -> list[tuple[str, int]
     return [(p, s) for s in range(seeds) for p in prompts_for(clips)[skip:]]
 
 
+def split_clips(split: str, seeds: int = 1) -> list[tuple[str, int]]:
+    """The clips of a fixed split (:data:`SPLITS`): ``design`` = prompts 0-47, ``report`` = prompts 48-87 of
+    :func:`demo.prompts_for`, x seeds ``0 .. seeds-1``."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {tuple(SPLITS)}, got {split!r}")
+    lo, hi = SPLITS[split]
+    return clip_list(hi, seeds, lo)
+
+
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
@@ -584,13 +785,20 @@ def _fmt_ci(ci) -> str:
     return f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
+def format_setting(s) -> str:
+    """A row's setting for a table: a float to 3 decimals, ``k=3 relative>=-0.120`` for ``schedule_veto``."""
+    if isinstance(s, dict):
+        return f"k={s['every']} {s['tau_mode']}>={format_setting(s['tau'])}"
+    return f"{s:.3f}" if isinstance(s, float) else str(s)
+
+
 def format_report(report: dict) -> str:
     """A short table: per mode the settings nearest acceptance 0.1/0.3/0.5/0.7/0.9, then the verdicts."""
     lines = [f"{report['clips']} clips, {report['drafted_blocks_per_clip'] + 1} blocks each; "
              f"target-only quality {report['target_only']['quality']:.3f} [{report['target_only']['ci'][0]:.3f}, "
              f"{report['target_only']['ci'][1]:.3f}], draft-only {report['draft_only']['quality']:.3f} "
              f"[{report['draft_only']['ci'][0]:.3f}, {report['draft_only']['ci'][1]:.3f}] (95% CI over clips)",
-             f"{'mode':<12} {'setting':>9} {'accept':>6} {'quality':>8} {'random':>7} {'router-random':>14} "
+             f"{'mode':<23} {'setting':>9} {'accept':>6} {'quality':>8} {'random':>7} {'router-random':>14} "
              f"{'95% CI':>18} {'speedup':>8}"]
     for mode, rows in report["modes"].items():
         shown = []
@@ -599,10 +807,9 @@ def format_report(report: dict) -> str:
             if row not in shown:
                 shown.append(row)
         for r in sorted(shown, key=lambda r: r["acceptance"]):
-            s = r["setting"]
-            setting = f"{s:.3f}" if isinstance(s, float) else s
+            setting = format_setting(r["setting"])
             speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
-            lines.append(f"{mode:<12} {setting:>9} {r['acceptance']:>6.2f} {r['quality']:>8.3f} {r['random_quality']:>7.3f} "
+            lines.append(f"{mode:<23} {setting:>9} {r['acceptance']:>6.2f} {r['quality']:>8.3f} {r['random_quality']:>7.3f} "
                          f"{r['router_minus_random']:>+14.3f} {_fmt_ci(r['router_minus_random_ci']):>18} {speed:>8}")
     lo, hi = report["band"]
     for mode, avg in report["average_in_band"].items():
@@ -648,6 +855,9 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--skip", type=int, default=0,
                     help="leave out the first N prompts: --clips 48 --skip 32 is 16 scenes the default 32 never use "
                          "(to choose settings or models without fitting them to the evaluation clips)")
+    ap.add_argument("--split", choices=tuple(SPLITS), default=None,
+                    help="the fixed held-out split instead of --clips/--skip: design = prompts 0-47 (choose settings "
+                         "here), report = prompts 48-87 (quote these; nothing was chosen on them)")
     ap.add_argument("--keep-frames", action="store_true",
                     help="also save the frames every node scored (uint8, ~5 MB per 81-frame clip) beside each tree, "
                          "and compare the scores with the ground truth in the report (reward_diagnostics)")
@@ -678,7 +888,7 @@ def main(argv=None) -> dict | None:
     weights = Path(args.weights)
     models = load_toy_models(weights=weights)  # checks every file against MANIFEST.json
     builder = TreeBuilder(models, preset=args.preset, num_frames=args.frames, weights_id=weights_hash(weights))
-    clips = clip_list(args.clips, args.seeds, args.skip)
+    clips = split_clips(args.split, args.seeds) if args.split else clip_list(args.clips, args.seeds, args.skip)
     mine = [c for j, c in enumerate(clips) if shard is None or j % shard[1] == shard[0]]
     print(f"toy tree: {len(mine)} of {len(clips)} clips, {builder.num_blocks} blocks ({2 ** (builder.num_blocks - 1) - 1} "
           f"nodes), preset {args.preset}, weights {weights} ({builder.weights_id}), cache {args.cache}"
