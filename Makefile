@@ -29,6 +29,9 @@ bench: venv
 	$(VPY) bench/bench_overlap.py
 	$(VPY) bench/bench_tau_sweep.py
 	$(VPY) bench/bench_toy_settings.py
+	$(VPY) bench/bench_replay_vae.py
+	PYTHONPATH=. $(VPY) bench/dry_run.py
+	$(VPY) bench/bench_routing.py --time --repeats 3 --time-prompts 8 --threads 1 --out outputs/routing_timed.json
 
 # The pack in a real ComfyUI (COMFYUI_PATH=<checkout>) and its UI workflows in the real frontend: see scripts/e2e.sh.
 e2e:

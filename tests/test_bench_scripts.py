@@ -7,21 +7,10 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-def test_real_size_tiny_prints_both_tables(tmp_path):
-    out = tmp_path / "numbers.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "real_size.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| target: denoise (5 calls) |" in proc.stdout
-    assert "| VAE decode (3 latent -> 12 frames) |" in proc.stdout
-    for label in ("target-only", "draft-only", "SDVG 0/2 accepted", "SDVG 2/2 accepted (100.0%)"):
-        assert f"| {label}" in proc.stdout
-    assert out.stat().st_size > 0
-
-
 def test_gpu_check_tiny_writes_its_json_and_table(tmp_path):
     """`make gpu-check`'s CPU mode: the CUDA-only test selection (all skipped here) and every real_size configuration
-    (resident, fp8, offload + fp8 KV, 2 lanes), one JSON and one markdown table."""
+    (resident, fp8, offload + fp8 KV, 2 lanes), one JSON and one markdown table. (It runs bench/real_size.py --tiny four
+    times, which is what keeps that script from rotting; a separate run of it here cost another minute of CI.)"""
     import json
 
     script = BENCH.parent / "scripts" / "gpu_check.py"
