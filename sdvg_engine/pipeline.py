@@ -2,16 +2,18 @@
 
 Per block (see :meth:`SpeculativePipeline.stream`, the whole loop on one screen):
 
-1. Block 0 (with ``force_first_block``) and every block in ``target_only`` mode: the target
-   generates it; the drafter never runs on it (the reference code drafts block 0 and throws it away).
+1. Block 0 (with ``force_first_block``), every block in ``target_only`` mode, and the blocks that ``schedule`` and
+   ``random`` give the target (both decide before drafting): the target generates it; the drafter never runs on it
+   (the reference code drafts block 0 and throws it away).
 2. Otherwise the drafter generates the block from the block's noise, the VAE state is snapshotted,
    the draft is decoded and scored per frame, and the router decides.
 3. Accept: the draft latents become context for both models and its decoded frames are kept.
-4. Reject: the VAE is restored, the target regenerates the block from the *same* noise (or, with
+4. Reject: the VAE is restored (the snapshot is held only until the verdict), the target regenerates the block from the *same* noise (or, with
    ``refine_from_step=k``, continues from the drafter's state after k steps), the result is decoded,
    and both models take the target's block as context.
-5. Relative routing (``tau_mode="relative"``) compares a draft with the score of the last committed block, so a
-   target block that a later draft follows is scored too (:meth:`SpeculativePipeline._track_reference`).
+5. The reference modes (``tau_mode`` relative / anchor / baseline) compare a draft with a reference built from the
+   committed blocks' scores, so the target blocks a later reference reads are scored too
+   (:meth:`SpeculativePipeline._track_reference`).
 
 Both models' context updates are lazy (see :mod:`sdvg_engine.context`), so an accepted draft costs
 the target nothing until the target next has to generate.
