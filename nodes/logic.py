@@ -460,7 +460,7 @@ def needed_inputs(mode: str, drafter=None, target=None, router=None, schedule_ve
         needed.append("drafter")
     if target is None and mode != "draft_only":
         needed.append("target")
-    if router is None and (mode == "sdvg" or (mode == "schedule" and bool(schedule_veto))):
+    if router is None and SDVGOptions(mode=mode, schedule_veto=bool(schedule_veto)).scores_drafts:
         needed.append("router")
     return needed
 
@@ -530,7 +530,7 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
             raise ValueError(f"the {m.role} expects text width {m.model.config.text_dim}, the conditioning is "
                              f"{context.shape[-1]} wide")
     prompt = reward_prompt or ""
-    scores_drafts = mode == "sdvg" or (mode == "schedule" and bool(schedule_veto))
+    scores_drafts = SDVGOptions(mode=mode, schedule_veto=bool(schedule_veto)).scores_drafts
     if scores_drafts:
         if router is None:
             raise ValueError("mode 'sdvg' needs a router (SDVG Reward Router)" if mode == "sdvg" else

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .router import DEFAULT_ROUTER_OPTIONS, PAPER_ROUTER_OPTIONS, REFERENCE_MODES, TAU_MODES
+from .router import PAPER_ROUTER_OPTIONS, REFERENCE_MODES, TAU_MODES, default_router_options
 
 #: ``sdvg bench``'s tau values when none are given: the paper's table (fixed) or margins around the default (relative)
 BENCH_TAUS = {"fixed": "-0.7,-1.0,-1.5,-2.0", "reference": "-0.1,-0.25,-0.5,-1.0"}
@@ -242,7 +242,9 @@ def _check_tau(args):
 
 def _scores_drafts(args) -> bool:
     """Whether the run scores drafts with the reward (--mode sdvg, or --mode schedule with --schedule-veto)."""
-    return args.mode == "sdvg" or (args.mode == "schedule" and bool(getattr(args, "schedule_veto", False)))
+    from .pipeline import SDVGOptions
+
+    return SDVGOptions(mode=args.mode, schedule_veto=bool(getattr(args, "schedule_veto", False))).scores_drafts
 
 
 @arg_check("--schedule-every", "generate")
@@ -954,11 +956,12 @@ def resolve_router_defaults(args) -> None:
     """``--tau-mode`` left out: relative routing with margin -0.25 (the held-out choice, docs/routing.md), unless a
     threshold was given (``--tau`` / ``--taus``), which is on the paper's fixed scale, the only one before the default
     changed: ``--tau -0.7`` alone is the paper's router. ``--tau`` / ``--taus`` left out: the mode's default."""
+    # The API's rule (router.default_router_options); --taus counts as a threshold given.
     if getattr(args, "tau_mode", "") is None:
         given = getattr(args, "tau", None) is not None or getattr(args, "taus", None) is not None
-        args.tau_mode = PAPER_ROUTER_OPTIONS["tau_mode"] if given else DEFAULT_ROUTER_OPTIONS["tau_mode"]
+        args.tau_mode = default_router_options({"tau": 0.0} if given else {})["tau_mode"]
     if getattr(args, "command", None) == "generate" and args.tau is None:
-        args.tau = DEFAULT_ROUTER_OPTIONS["tau"] if args.tau_mode in REFERENCE_MODES else PAPER_ROUTER_OPTIONS["tau"]
+        args.tau = default_router_options({"tau_mode": args.tau_mode}).get("tau", PAPER_ROUTER_OPTIONS["tau"])
     if getattr(args, "command", None) == "bench" and args.taus is None:
         args.taus = BENCH_TAUS["reference" if args.tau_mode in REFERENCE_MODES else "fixed"]
 

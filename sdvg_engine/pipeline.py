@@ -245,7 +245,7 @@ class SpeculativePipeline:
                     block = self._target_block(run, b, drafted=False, decision=self._decided_before_drafting(run, b))
                 else:
                     draft = run.submit("drafter", self._draft, run, b)
-                    decoded = run.submit("vae", self._decode_draft, run, draft)
+                    decoded = run.submit("vae", self._decode_draft, run, draft, _host_copies(run))
                     fallback = self._speculate_target(run, b, draft)  # regenerates beside the verification
                     if previous is not None:
                         yield self._finish_block(run, previous)  # its decode ran beside this block's draft
@@ -254,7 +254,7 @@ class SpeculativePipeline:
                     if decision is None or decision.accept:
                         if fallback is not None:
                             fallback.drop()
-                        run.submit("vae", self._forget_rollback, decoded)
+                        run.submit("vae", self._keep_draft, decoded, _host_copies(run))
                         block = self._commit(run, b, draft, decoded, source="draft", drafted=True, decision=decision)
                     else:
                         run.submit("vae", self._restore, decoded)
@@ -301,8 +301,8 @@ class SpeculativePipeline:
         return self._finish(time.perf_counter() - started)
 
     # ---- steps of the loop --------------------------------------------------------------------------
-    @staticmethod
-    def _target_generates(run, b: int) -> bool:
+    @classmethod
+    def _target_generates(cls, run, b: int) -> bool:
         """Whether the target makes block ``b`` without a draft: decided before drafting, from the options (and
         random mode's draw, which needs no draft either)."""
         opts = run.options
@@ -311,7 +311,7 @@ class SpeculativePipeline:
         if opts.mode == "schedule" and opts.schedule_every > 0 and b > 0 and b % opts.schedule_every == 0:
             return True
         if opts.mode == "random":
-            return not run.random_router.decide_block(b).accept
+            return not cls._decided_before_drafting(run, b).accept
         return opts.mode == "target_only"
 
     @staticmethod
@@ -345,25 +345,26 @@ class SpeculativePipeline:
             sample = fallback.future
         else:
             sample = run.submit("target", self._target_sample, run, b, draft)
-        decoded = run.submit("vae", self._decode, run, sample)
+        decoded = run.submit("vae", self._decode, run, sample, _host_copies(run))
         return self._commit(run, b, sample, decoded, source="target", drafted=drafted, decision=decision)
 
-    def _decode(self, run, sample: BlockSample) -> "_Decoded":
-        """Decode a block; its :class:`Lap` is what an all-target run would pay for this block too."""
+    def _decode(self, run, sample: BlockSample, host_copies: dict | None = None) -> "_Decoded":
+        """Decode a block that will be kept; its :class:`Lap` is what an all-target run would pay for this block too.
+
+        ``host_copies``: the recording's copy table (:func:`_host_copies`, taken when the task was submitted): the
+        frames cross to the host here, on the VAE's worker right after the decode, not on the main thread when the
+        block is finished (:meth:`_finish_block` then finds them copied)."""
         with self._measure(run, "vae") as lap:
             pixels = self.vae.decode_block(sample.latents)
-        recording = run.recording
-        if recording is not None and not run.recording_full:
-            # The recording's host copy of the frames, made here on the VAE's worker right after the decode rather
-            # than on the main thread when the block is finished (_finish_block then finds it in host_copies). A
-            # rejected draft's copy is dropped with its frames (memo._cpu keeps no reference to the source).
-            _cpu(pixels, recording.host_copies)
+        if host_copies is not None:
+            _cpu(pixels, host_copies)
         return _Decoded(None, pixels, lap)
 
-    def _decode_draft(self, run, sample: BlockSample) -> "_Decoded":
-        """Decode a draft; where the router may reject it, keep the VAE state from before it to roll back to."""
+    def _decode_draft(self, run, sample: BlockSample, host_copies: dict | None) -> "_Decoded":
+        """Decode a draft; where the router may reject it, keep the VAE state from before it to roll back to (its
+        frames then cross to the host only once it is kept: :meth:`_keep_draft`)."""
         if not run.options.scores_drafts:  # the other modes keep every draft they make: nothing to roll back
-            return self._decode(run, sample)
+            return self._decode(run, sample, host_copies)
         return self._snapshot_and_decode(run, sample)
 
     def _snapshot_and_decode(self, run, sample: BlockSample) -> "_Decoded":
@@ -375,12 +376,14 @@ class SpeculativePipeline:
         self.vae.restore(decoded.vae_before.take())
 
     @staticmethod
-    def _forget_rollback(decoded: "_Decoded") -> None:
+    def _keep_draft(decoded: "_Decoded", host_copies: dict | None) -> None:
         """A kept draft needs no rollback: let its snapshot go now, not when its block is finished (a snapshot holds a
         whole decode cache, 3.5 GiB at 832x480 in fp32; kept to the end of the block, two of them were alive beside the
-        current cache)."""
+        current cache). Its frames cross to the host now, on the VAE's worker (a rejected draft's never do)."""
         if decoded.vae_before is not None:
             decoded.vae_before.take()
+        if host_copies is not None:
+            _cpu(decoded.pixels, host_copies)
 
     def _route(self, run, b, decoded) -> RouteDecision | None:
         """The router's verdict on a decoded draft; ``None`` means accepted without scoring."""
@@ -804,6 +807,13 @@ class _Run:
                                        f"({self.workers.first_error!r})")
         if self.before_call is not None:
             self.before_call(component, kind)
+
+
+def _host_copies(run) -> dict | None:
+    """The recording's table of host copies while it still records (``None`` past the memo's cap or without a memo):
+    read on the main thread when a decode is submitted, never later on the VAE's worker."""
+    recording = run.recording
+    return recording.host_copies if recording is not None and not run.recording_full else None
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -37,4 +37,7 @@ def test_frames_cross_to_the_host_on_the_vae_worker(monkeypatch, workers, thread
                            options=SDVGOptions(), workers=workers)
     assert result.report["replay"]["kept_for_replay"] and result.report["replay"]["recorded_blocks"] == 4
     assert first and set(first.values()) == {thread}  # 2 workers: the VAE's lane; 1 worker: the one lazy lane
+    # only kept blocks cross to the host, each once: a rejected draft's frames never do
+    assert any(b.drafted and b.source == "target" for b in result.blocks)
+    assert len(first) == len(result.blocks)
     assert_same(reference, result)  # outputs unchanged
