@@ -42,99 +42,13 @@ from .generator import BlockSample, CausalGenerator
 from .report import BlockRecord, ComponentTimer, Lap, build_report
 from .router import RandomRouter, RewardRouter, RouteDecision, TauState, temporal_consistency
 from .sampling import NoiseSource, SeededNoise
+from .options import MODES, CancelToken, GenerationCancelled, NonFiniteOutputError, SDVGOptions  # noqa: F401 (public here too)
 from .memo import Recording, RecordedBlock, ReplayMemo, _cpu, plan_replay
 from .replay_key import replay_key
 from .replay_key import model_identity as _model_identity, weights_fingerprint as _weights_fingerprint  # noqa: F401 (older imports)
 from .workers import COMPONENTS, StoppedByOtherWorker, Workers, plan_lanes, wait
 
-MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random", "schedule")
 TEXT_LEN = 512
-
-
-class GenerationCancelled(RuntimeError):
-    """Raised between model calls when a run is cancelled; the pipeline stays usable."""
-
-
-class NonFiniteOutputError(RuntimeError):
-    """A model produced NaN/inf for a block: raised instead of saving a black video; the pipeline stays usable."""
-
-
-class CancelToken:
-    """Thread-safe enough cancel flag: ``cancel()`` from anywhere, checked before every model call."""
-
-    def __init__(self):
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-@dataclass
-class SDVGOptions:
-    """Routing options of one run (all JSON-serialisable; they go into the report).
-
-    mode: ``sdvg`` | ``target_only`` | ``draft_only`` | ``first_block_only`` | ``random`` | ``schedule``.
-    force_first_block: block 0 by the target (default on; ignored by ``draft_only``).
-    random_accept_prob: acceptance probability ``p`` of ``random`` mode.
-    refine_from_step: hybrid regeneration: on reject the target continues from the drafter's
-        state after this many steps (the reference's best is 3); ``None`` = full regeneration.
-    cascade: score ``cascade_frames`` evenly spaced frames first; with ``min`` aggregation a partial
-        minimum below tau rejects exactly; accept early only above ``tau + cascade_margin``.
-    schedule_every: ``schedule`` mode: the target generates block 0 and every ``k``-th block (``k, 2k, ...``),
-        decided before drafting, so the drafter never runs on them and nothing is decoded twice or scored; the
-        drafter's blocks are kept unscored. ``0``: only block 0 (as ``first_block_only``).
-    schedule_veto: ``schedule`` mode: also score each drafted block and let the router reject it (the target
-        regenerates it), e.g. a relative veto (``tau_mode="relative"``); needs a reward router.
-
-    ``random`` mode draws its decisions before drafting, so a block it gives the target is never drafted, decoded
-    twice or scored (the draws are keyed by seed, prompt and block, so the decisions are those of a draft-first run).
-    """
-
-    mode: str = "sdvg"
-    force_first_block: bool = True
-    random_accept_prob: float = 0.73
-    refine_from_step: int | None = None
-    cascade: bool = False
-    cascade_frames: int = 4
-    cascade_margin: float = 0.5
-    schedule_every: int = 3
-    schedule_veto: bool = False
-
-    @property
-    def scores_drafts(self) -> bool:
-        """Whether drafts are scored and routed by the reward router (``sdvg``, or ``schedule`` with its veto)."""
-        return self.mode == "sdvg" or (self.mode == "schedule" and bool(self.schedule_veto))
-
-    def validate(self, router: RewardRouter | None) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "sdvg" and router is None:
-            raise ValueError("mode 'sdvg' needs a reward router (ImageReward); use another mode without one")
-        if not isinstance(self.schedule_veto, bool):
-            raise ValueError(f"schedule_veto must be True or False, got {self.schedule_veto!r}")
-        if self.scores_drafts and router is None:
-            raise ValueError("schedule_veto scores each drafted block with the reward router (ImageReward), and there "
-                             "is none; load a reward model or set schedule_veto=False")
-        if isinstance(self.schedule_every, bool) or not isinstance(self.schedule_every, int) or self.schedule_every < 0:
-            raise ValueError(f"schedule_every must be a whole number >= 0 (0 = only block 0 by the target), "
-                             f"got {self.schedule_every!r}")
-        if not 0.0 <= self.random_accept_prob <= 1.0:
-            raise ValueError(f"random_accept_prob must be in [0, 1], got {self.random_accept_prob}")
-        if self.cascade and self.scores_drafts:
-            if router.aggregation != "min":
-                raise ValueError("cascade scoring is exact only with 'min' aggregation; set aggregation='min' or cascade=False")
-            if router.temporal_weight != 0.0:
-                raise ValueError("cascade scoring does not combine with a temporal weight; set one of them off")
-            if self.cascade_frames < 1 or self.cascade_margin < 0:
-                raise ValueError("cascade_frames must be >= 1 and cascade_margin >= 0")
-        if self.scores_drafts and router.uses_reference:
-            if not self.force_first_block:
-                raise ValueError(f"tau_mode {router.tau_mode!r} compares each draft with the blocks committed before "
-                                 "it, and block 0 has none: keep force_first_block on (block 0 by the target) or use "
-                                 "tau_mode 'fixed'")
-            if self.cascade:
-                raise ValueError(f"cascade scoring is not supported with tau_mode {router.tau_mode!r}; set "
-                                 "cascade=False or use tau_mode 'fixed'")
 
 
 @dataclass
@@ -305,14 +219,8 @@ class SpeculativePipeline:
     def _target_generates(cls, run, b: int) -> bool:
         """Whether the target makes block ``b`` without a draft: decided before drafting, from the options (and
         random mode's draw, which needs no draft either)."""
-        opts = run.options
-        if b == 0 and opts.force_first_block and opts.mode != "draft_only":
-            return True
-        if opts.mode == "schedule" and opts.schedule_every > 0 and b > 0 and b % opts.schedule_every == 0:
-            return True
-        if opts.mode == "random":
-            return not cls._decided_before_drafting(run, b).accept
-        return opts.mode == "target_only"
+        draw = cls._decided_before_drafting(run, b)
+        return run.options.target_makes_block(b, None if draw is None else draw.accept)
 
     @staticmethod
     def _decided_before_drafting(run, b: int) -> RouteDecision | None:
@@ -623,8 +531,8 @@ class SpeculativePipeline:
                    before_call=before_call, prompt=prompt, seed=seed, width=width, height=height, num_frames=num_frames,
                    workers=Workers(lanes))
         run.timer.handover_sync = not run.workers.parallel
-        uses_drafter = opts.mode != "target_only"
-        uses_target = opts.mode != "draft_only"
+        uses_drafter = opts.uses_drafter
+        uses_target = opts.uses_target
         run.active = [g for g, used in ((self.drafter, uses_drafter), (self.target, uses_target)) if used]
         try:
             for gen in (self.drafter, self.target):
