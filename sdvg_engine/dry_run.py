@@ -42,8 +42,7 @@ from diffusers import AutoencoderKLWan
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .context import GlobalCache, RecomputeWindow
-from .generator import CausalGenerator
+from .loaders import LoadedDiT, build_pipeline, checkpoint_schedule
 from .memo import DEFAULT_MAX_BYTES, ReplayMemo
 from .memo import _tensors as state_tensors
 from .models import causal_wan
@@ -419,17 +418,12 @@ def text_context() -> torch.Tensor:
 
 
 def pipeline_for(stack: MetaStack, preset: str, router) -> SpeculativePipeline:
-    """The preset's context schemes and schedules (:mod:`sdvg_engine.presets`) on fresh generators."""
-    if preset == "reference":
-        drafter = CausalGenerator(stack.drafter, schedule="krea", context=RecomputeWindow(3))
-    elif preset == "native":
-        drafter = CausalGenerator(stack.drafter, schedule="self_forcing", context=GlobalCache(21))
-    else:
-        raise ValueError(f"preset must be 'reference' or 'native', got {preset!r}")
-    target = CausalGenerator(stack.target, schedule="krea", context=RecomputeWindow(3))
-    pipe = SpeculativePipeline(drafter, target, stack.vae, router)
-    pipe.preset = preset
-    return pipe
+    """The preset's context schemes and schedules on fresh generators (:func:`sdvg_engine.loaders.build_pipeline`,
+    as every other pipeline of the project): the 1.3B is a Self-Forcing checkpoint (global cache, 4 calls), the 14B a
+    Krea one (recompute window, 5 calls)."""
+    return build_pipeline(LoadedDiT(stack.drafter, "global_cache", checkpoint_schedule("Wan2.1-T2V-1.3B")),
+                          LoadedDiT(stack.target, "recompute_window", checkpoint_schedule("Wan2.1-T2V-14B")),
+                          stack.vae, router, preset=preset)
 
 
 def dry_run(config: DryRunConfig, *, width: int = 832, height: int = 480, num_frames: int = 81,

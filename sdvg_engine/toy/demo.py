@@ -26,10 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..context import GlobalCache, RecomputeWindow
-from ..generator import CausalGenerator
+from ..loaders import LoadedDiT
+from ..loaders import build_pipeline as build
 from ..pipeline import SDVGOptions, SpeculativePipeline, video_frames_to_latent_frames
-from ..presets import check_preset
 from ..router import RewardRouter
 from .models import load_toy_models, vae_round_trip
 from .text import embed_caption
@@ -84,21 +83,18 @@ def prompts_for(n: int) -> list[str]:
     return out
 
 
+#: what the toy checkpoints were trained with (a preset's "checkpoint" choice): Self-Forcing's global cache, 4 calls
+TOY_CONTEXT, TOY_SCHEDULE = "global_cache", "self_forcing"
+
+
 def build_pipeline(models, tau: float = 0.0, preset: str = "native", workers: int | str = 1) -> SpeculativePipeline:
-    """The toy pipeline. ``native`` (the toy default): both tiny DiTs as they were trained, on a global cache with
-    4 calls. ``reference``: the paper's configuration (both on the recompute window with the 5-call list), which the
-    toy models were not trained for; it is here to compare decisions and quality under the two presets."""
-    check_preset(preset)
-    if preset == "native":
-        contexts, schedule = (GlobalCache(21), GlobalCache(21)), "self_forcing"
-    else:
-        contexts, schedule = (RecomputeWindow(3, anchor_encoder=models.vae), RecomputeWindow(3, anchor_encoder=models.vae)), "krea"
-    drafter = CausalGenerator(models.drafter, schedule=schedule, context=contexts[0])
-    target = CausalGenerator(models.target, schedule=schedule, context=contexts[1])
+    """The toy pipeline (:func:`sdvg_engine.loaders.build_pipeline`). ``native`` (the toy default): both tiny DiTs as
+    they were trained, on a global cache with 4 calls. ``reference``: the paper's configuration (both on the recompute
+    window with the 5-call list), which the toy models were not trained for; it is here to compare decisions and
+    quality under the two presets."""
+    dits = [LoadedDiT(m, TOY_CONTEXT, TOY_SCHEDULE) for m in (models.drafter, models.target)]
     router = RewardRouter(models.scorer, tau=tau, aggregation="min")
-    pipe = SpeculativePipeline(drafter, target, models.vae, router)
-    pipe.preset, pipe.workers = preset, workers
-    return pipe
+    return build(dits[0], dits[1], models.vae, router, preset=preset, workers=workers)
 
 
 def _run(pipe, caption, seed, options, num_frames=NUM_FRAMES):

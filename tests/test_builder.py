@@ -1,0 +1,138 @@
+"""The one pipeline builder (sdvg_engine.loaders.build_pipeline): each preset configures the same generators as the
+hand-built pipelines it replaced, outputs are bit-identical to them, the demo and dry run use it; and the loaders
+refuse bad paths and devices before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdvg_engine import loaders
+from sdvg_engine.context import GlobalCache, RecomputeWindow
+from sdvg_engine.generator import CausalGenerator
+from sdvg_engine.loaders import LoadedDiT, build_pipeline, load_generator, load_pipeline
+from sdvg_engine.pipeline import SDVGOptions, SpeculativePipeline
+from sdvg_engine.router import RewardRouter
+from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts
+
+PROMPT = "a red ball rolling on grass"
+
+
+def _hand_built(parts, preset, tau=0.0):
+    """The pipelines as the toy demo and the dry run built them by hand before the builder (one per preset)."""
+    if preset == "native":
+        drafter = CausalGenerator(parts["drafter"], schedule="self_forcing", context=GlobalCache(21))
+        target = CausalGenerator(parts["target"], schedule="krea", context=RecomputeWindow(3))
+    else:
+        drafter = CausalGenerator(parts["drafter"], schedule="krea", context=RecomputeWindow(3))
+        target = CausalGenerator(parts["target"], schedule="krea", context=RecomputeWindow(3))
+    return SpeculativePipeline(drafter, target, parts["vae"], RewardRouter(parts["scorer"], tau=tau))
+
+
+def _built(parts, preset, tau=0.0, **kw):
+    # the dry run's checkpoints: a Self-Forcing drafter (global cache, 4 calls) and a Krea target (window, 5 calls)
+    return build_pipeline(LoadedDiT(parts["drafter"], "global_cache", "self_forcing"),
+                          LoadedDiT(parts["target"], "recompute_window", "krea"), parts["vae"],
+                          RewardRouter(parts["scorer"], tau=tau), preset=preset, **kw)
+
+
+@pytest.mark.parametrize("preset", ["reference", "native"])
+def test_builder_output_is_bit_identical_to_the_hand_built_pipeline(preset):
+    parts = shared_parts()
+    outputs = []
+    for pipe in (_hand_built(parts, preset), _built(parts, preset)):
+        result = pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=21, width=WIDTH, height=HEIGHT, seed=5,
+                               options=SDVGOptions(mode="sdvg"), workers=1)
+        outputs.append((result.frames, result.report["decisions"]))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert outputs[0][1] == outputs[1][1]
+
+
+def test_builder_applies_the_preset_and_records_where_each_setting_came_from():
+    parts = shared_parts()
+    ref = _built(parts, "reference", workers=2)
+    assert ref.preset == "reference" and ref.workers == 2 and ref.memo is None
+    for gen in (ref.drafter, ref.target):
+        assert (gen.context.name, gen.schedule.name) == ("recompute_window", "krea")
+        assert gen.settings_source == {"preset": "reference", "context_scheme": "preset", "schedule": "preset"}
+        assert gen.context.anchor_encoder is parts["vae"]  # the pipeline's VAE re-encodes the anchor
+    native = _built(parts, "native", target_schedule="self_forcing")
+    assert (native.drafter.context.name, native.drafter.schedule.name) == ("global_cache", "self_forcing")
+    assert native.drafter.context.max_frames == 21
+    assert native.drafter.settings_source == {"preset": "native", "context_scheme": "checkpoint",
+                                              "schedule": "checkpoint"}
+    assert (native.target.context.name, native.target.schedule.name) == ("recompute_window", "self_forcing")
+    assert native.target.settings_source["schedule"] == "explicit"
+    # fresh generators every time: two pipelines of the same loaded models share no run state
+    again = _built(parts, "native")
+    assert again.drafter is not native.drafter and again.drafter.model is native.drafter.model
+    with pytest.raises(ValueError, match="preset must be one of"):
+        _built(parts, "paper")
+    with pytest.raises(ValueError, match="attention_bias=0.5 only applies to the recompute-window"):
+        _built(parts, "native", drafter_attention_bias=0.5)
+
+
+def test_the_toy_demo_and_the_dry_run_build_through_the_builder(monkeypatch):
+    from sdvg_engine import dry_run
+    from sdvg_engine.toy import demo
+
+    calls = []
+    real = loaders.build_pipeline
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["preset"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "build", spy)
+    monkeypatch.setattr(dry_run, "build_pipeline", spy)
+    parts = shared_parts()
+
+    class Toy:
+        drafter, target, vae, scorer = parts["drafter"], parts["target"], parts["vae"], parts["scorer"]
+
+    pipe = demo.build_pipeline(Toy, preset="reference", workers=2)
+    assert calls == ["reference"] and pipe.workers == 2 and pipe.target.context.name == "recompute_window"
+    stack = type("Stack", (), {"drafter": parts["drafter"], "target": parts["target"], "vae": parts["vae"]})
+    pipe = dry_run.pipeline_for(stack, "native", None)
+    assert calls == ["reference", "native"]
+    assert (pipe.drafter.context.name, pipe.target.context.name) == ("global_cache", "recompute_window")
+    assert (pipe.drafter.schedule.name, pipe.target.schedule.name) == ("self_forcing", "krea")
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _no_load(monkeypatch):
+    """Make any checkpoint read fail loudly: the checks must come first."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loaders, "load_causal_wan", refuse)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(path="x.safetensors", device="bogus"), r"device='bogus' is not a device; use 'cpu', 'cuda' or 'cuda:N'"),
+    (dict(path="x.safetensors", device="cuda"), r"device='cuda', but this PyTorch sees no CUDA GPU; use 'cpu'"),
+    (dict(path=None), r"path must be the path of a checkpoint file \(a str or pathlib.Path\), got None; pass e\.g\. "
+                      r"path='models/drafter.safetensors'"),
+], ids=["device-bogus", "device-cuda-without-gpu", "path-none"])
+def test_load_generator_refuses_bad_input_before_loading(monkeypatch, kwargs, message):
+    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    _no_load(monkeypatch)
+    path = kwargs.pop("path")
+    with pytest.raises(ValueError, match=message):
+        load_generator(path, name="drafter", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(drafter=None), r"drafter must be the path of a checkpoint file .*got None"),
+    (dict(vae=3), r"vae must be the path of a Wan2.1 VAE file or folder .*got 3"),
+    (dict(device="bogus"), r"device='bogus' is not a device"),
+    (dict(drafter_device="gpu0"), r"drafter_device='gpu0' is not a device"),
+    (dict(offload="all"), r"offload must be one of \('none', 'target', 'both'\).*got 'all'"),
+], ids=["drafter-none", "vae-int", "device-bogus", "drafter-device-bogus", "offload-all"])
+def test_load_pipeline_refuses_bad_input_before_loading(monkeypatch, kwargs, message):
+    _no_load(monkeypatch)
+    monkeypatch.setattr("sdvg_engine.vae.load_wan_vae", lambda *a, **k: pytest.fail("the VAE loaded first"))
+    args = {**dict(drafter="d.safetensors", target="t.safetensors", vae="vae.safetensors"), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        load_pipeline(**args)
