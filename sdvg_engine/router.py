@@ -72,6 +72,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,7 @@ __all__ = [
     "PAPER_ROUTER_OPTIONS",
     "default_router_options",
     "RouteDecision",
+    "Comparison",
     "RewardRouter",
     "RandomRouter",
     "TauState",
@@ -137,21 +139,69 @@ def _json_tau(x: float | None) -> float | str | None:
     return float(x) if math.isfinite(x) else str(float(x))
 
 
+#: What each mode compares with its threshold, as a short label (a plot's axis, a progress line).
+COMPARED_QUANTITY = {
+    "fixed": "draft score",
+    "accept_rate": "score vs running quantile",
+    "relative": "score - last committed block",
+    "anchor": "score - block 0",
+    "baseline": "score - mean of committed blocks",
+    "random": "random draw u (keep if u < p)",
+}
+
+
+class Comparison(NamedTuple):
+    """The quantity a decision compared with its threshold (:meth:`RouteDecision.comparison`).
+
+    value: what was compared: the draft's block score (fixed, accept_rate), its margin over the reference score
+        (relative, anchor, baseline: ``block_score - reference_score``), or the random draw u (random).
+    threshold: what it was compared with: tau (fixed; the margin tau in the reference modes), the block's
+        running-quantile threshold (accept_rate), the probability p (random); None when the decision has none.
+    quantity: a short label for ``value`` (see :data:`COMPARED_QUANTITY`).
+    keep_if: the side that keeps the draft: ``">="`` (reward routers: value >= threshold) or ``"<"`` (random:
+        u < p).
+    mode: the tau mode (``fixed``, ``accept_rate``, ``relative``, ``anchor``, ``baseline``) or ``random``.
+    """
+
+    value: float
+    threshold: float | None
+    quantity: str
+    keep_if: str = ">="
+    mode: str = "fixed"
+
+    def keeps(self) -> bool | None:
+        """Whether this comparison keeps the draft, by the routers' own rule (an explicit -inf threshold keeps
+        everything, +inf nothing, a NaN value is rejected otherwise); None without a threshold."""
+        if self.threshold is None:
+            return None
+        if self.keep_if == "<":
+            return bool(self.value < self.threshold)
+        return _threshold(self.value, self.threshold)
+
+    def to_dict(self) -> dict:
+        """JSON-safe: a NaN value becomes None; an infinite threshold "inf"/"-inf" (as ``tau`` in reports)."""
+        return {"value": _json_float(self.value), "threshold": _json_tau(self.threshold), "quantity": self.quantity,
+                "keep_if": self.keep_if, "mode": self.mode}
+
+
 @dataclass
 class RouteDecision:
     """Outcome of routing one block.
 
     accept: whether the drafted block is kept.
-    block_score: value compared with tau (reward aggregate + weighted temporal term).
-        For ``RandomRouter`` it is the uniform draw u in [0, 1) (accept iff u < p).
+    block_score: the draft's score (reward aggregate + weighted temporal term). For ``RandomRouter`` it is the
+        uniform draw u in [0, 1) (accept iff u < p). What was compared with the threshold: :meth:`comparison`.
     frame_scores: per-frame ImageReward scores of the frames actually scored.
     reward_score: aggregate of the ImageReward scores alone (NaN for RandomRouter).
     temporal_score: mean consecutive-frame cosine similarity, or None when not computed.
     frames_scored: number of frames scored.
-    tau: the threshold ``block_score`` was compared with (None for RandomRouter); in relative mode the margin
-        ``block_score - reference_score`` was compared with.
-    reference_score: relative mode only: the score of the last committed block (None in other modes, whose
-        ``to_dict`` leaves the key out).
+    tau: the threshold (None for RandomRouter): fixed mode's tau, accept_rate's running quantile for this block;
+        in the reference modes the margin ``block_score - reference_score`` was compared with.
+    reference_score: the reference modes only: the reference score (the last committed block's, block 0's or the
+        committed blocks' mean); None in other modes, whose ``to_dict`` leaves the key out.
+    tau_mode: the router's tau mode when it decided, or ``"random"`` (None: a decision made by other code; read
+        as ``fixed``, or as a margin when it holds a reference score).
+    accept_prob: RandomRouter only: the probability p the draw was compared with.
     """
 
     accept: bool
@@ -162,10 +212,24 @@ class RouteDecision:
     frames_scored: int
     tau: float | None = None
     reference_score: float | None = None
+    tau_mode: str | None = None
+    accept_prob: float | None = None
+
+    def comparison(self) -> Comparison:
+        """The quantity compared with the threshold, the threshold and which side keeps the draft (the one home of
+        "what was compared with tau": reports, the CLI's progress line and the score plot read it)."""
+        if self.tau_mode == "random" or self.accept_prob is not None:
+            return Comparison(float(self.block_score), self.accept_prob, COMPARED_QUANTITY["random"], "<", "random")
+        mode = self.tau_mode or ("relative" if self.reference_score is not None else "fixed")
+        if self.reference_score is not None:
+            quantity = COMPARED_QUANTITY.get(mode, "score - reference")
+            return Comparison(float(self.block_score) - float(self.reference_score), self.tau, quantity, ">=", mode)
+        return Comparison(float(self.block_score), self.tau, COMPARED_QUANTITY.get(mode, "draft score"), ">=", mode)
 
     def to_dict(self) -> dict:
-        """JSON-serialisable dict (non-finite floats become None)."""
+        """JSON-serialisable dict (non-finite floats become None); ``compared``: :meth:`comparison` as a dict."""
         d = asdict(self)
+        del d["tau_mode"], d["accept_prob"]  # in "compared" (mode, threshold)
         d["accept"] = bool(self.accept)
         d["block_score"] = _json_float(self.block_score)
         d["reward_score"] = _json_float(self.reward_score)
@@ -177,6 +241,7 @@ class RouteDecision:
             del d["reference_score"]
         else:
             d["reference_score"] = _json_float(self.reference_score)
+        d["compared"] = self.comparison().to_dict()
         return d
 
 
@@ -520,6 +585,7 @@ class RewardRouter:
             frames_scored=int(s.numel()),
             tau=tau,
             reference_score=reference,
+            tau_mode=self.tau_mode,
         )
 
     def judge(
@@ -597,4 +663,6 @@ class RandomRouter:
             reward_score=math.nan,
             temporal_score=None,
             frames_scored=0,
+            tau_mode="random",
+            accept_prob=self.p,
         )

@@ -211,3 +211,83 @@ def test_cli_tau_mode_relative_checks():
         validate_args(args)
     with pytest.raises(SystemExit):
         parse(base + ["--tau-mode", "relativ"])
+
+
+# ------------------------------------------------------------------------------ what is compared with tau
+def _mode_pipeline(tau_mode, tau, **router_kw):
+    pipe = tiny_pipeline()
+    pipe.router = RewardRouter(shared_parts()["scorer"], tau=tau, tau_mode=tau_mode, **router_kw)
+    return pipe
+
+
+def _decisions(result):
+    return [b.decision for b in result.blocks if b.decision is not None]
+
+
+@pytest.mark.parametrize("tau_mode", ["fixed", "relative", "anchor", "baseline", "accept_rate"])
+def test_comparison_is_what_decided_each_block(tau_mode):
+    """On real runs, in every tau mode: each decision keeps its draft exactly when its comparison's value reaches
+    the threshold, and the report carries the same comparison under "compared"."""
+    # The values this mode compares, from an all-accept run; their median gives a run with both outcomes.
+    kw = {}
+    if tau_mode == "accept_rate":  # its threshold moves with the scores: a prior centred on them gives both outcomes
+        scores = [d.block_score for d in _decisions(generate(_mode_pipeline("fixed", -math.inf)))]
+        kw = {"prior_mean": sorted(scores)[len(scores) // 2], "prior_std": 1e-3, "prior_count": 1.0,
+              "accept_rate": 0.5}
+    values = [d.comparison().value for d in _decisions(generate(_mode_pipeline(tau_mode, -math.inf, **kw)))]
+    outcomes = set()
+    for tau in (-math.inf, sorted(values)[len(values) // 2], math.inf):
+        result = generate(_mode_pipeline(tau_mode, tau, **kw))
+        report = json.loads(json.dumps(result.report, allow_nan=False))
+        for b, decision in enumerate(d.decision for d in result.blocks):
+            if decision is None:
+                continue
+            c = decision.comparison()
+            assert c.mode == tau_mode and c.keep_if == ">="
+            assert decision.accept == c.keeps() == (c.value >= c.threshold or c.threshold == -math.inf)
+            assert report["blocks"][b]["decision"]["compared"] == c.to_dict()
+            if tau_mode in ("fixed", "accept_rate"):
+                assert c.value == decision.block_score and c.threshold == decision.tau
+            else:
+                assert c.value == pytest.approx(decision.block_score - decision.reference_score)
+                assert c.threshold == tau
+            outcomes.add(decision.accept)
+    assert outcomes == {True, False}
+
+
+def test_comparison_of_random_mode_is_the_draw():
+    pipe = tiny_pipeline()
+    result = pipe.generate(prompt_embeds(), prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=2,
+                           options=SDVGOptions(mode="random", random_accept_prob=0.5))  # seed 2: kept, kept, target
+    report = json.loads(json.dumps(result.report, allow_nan=False))
+    seen = set()
+    for b, block in enumerate(result.blocks):
+        if block.decision is None:
+            continue
+        c = block.decision.comparison()
+        assert (c.mode, c.keep_if, c.threshold, c.quantity) == ("random", "<", 0.5, "random draw u (keep if u < p)")
+        assert block.decision.accept == c.keeps() == (c.value < c.threshold) == (block.source == "draft")
+        assert report["blocks"][b]["decision"]["compared"] == c.to_dict()
+        seen.add(block.decision.accept)
+    assert seen == {True, False}
+
+
+def test_comparison_labels_and_json():
+    from sdvg_engine.router import Comparison, RandomRouter
+
+    scorer = shared_parts()["scorer"]
+    labels = {m: RewardRouter(scorer, tau=0.1, tau_mode=m).decide([0.5], reference=0.2).comparison()
+              for m in ("fixed", "accept_rate", "relative", "anchor", "baseline")}
+    assert {m: c.quantity for m, c in labels.items()} == {
+        "fixed": "draft score", "accept_rate": "score vs running quantile",
+        "relative": "score - last committed block", "anchor": "score - block 0",
+        "baseline": "score - mean of committed blocks"}
+    assert labels["relative"][:2] == pytest.approx((0.3, 0.1))
+    assert labels["fixed"][:2] == (0.5, 0.1)
+    d = RewardRouter(scorer, tau=-math.inf).decide([math.nan])
+    assert d.accept and d.comparison().keeps()
+    assert d.to_dict()["compared"] == {"value": None, "threshold": "-inf", "quantity": "draft score",
+                                       "keep_if": ">=", "mode": "fixed"}
+    r = RandomRouter(1.0, seed=0).decide_block(2)
+    assert r.comparison() == Comparison(r.block_score, 1.0, "random draw u (keep if u < p)", "<", "random")
+    assert r.accept and r.comparison().keeps()

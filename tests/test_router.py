@@ -119,7 +119,7 @@ def test_to_dict_is_strict_json(scorer):
     d, _ = RewardRouter(scorer).judge(_frames(3), PROMPT)
     data = json.loads(json.dumps(d.to_dict(), allow_nan=False))
     assert set(data) == {
-        "accept", "block_score", "frame_scores", "reward_score", "temporal_score", "frames_scored", "tau"
+        "accept", "block_score", "frame_scores", "reward_score", "temporal_score", "frames_scored", "tau", "compared"
     }
     assert data["frames_scored"] == 3 and isinstance(data["accept"], bool)
     assert data["tau"] == pytest.approx(-0.7)
