@@ -103,15 +103,22 @@ def test_a_failed_write_over_an_earlier_set_leaves_one_consistent_set(files, tmp
 
 
 def test_an_interrupted_report_write_keeps_the_earlier_report(files, tmp_path, monkeypatch):
+    """The report is written to a temporary name and renamed: a Ctrl-C halfway through the real write (half the text
+    on disk) leaves the earlier report whole and no temporary file. Written in place, the report would be torn."""
+    from pathlib import Path
+
     out = tmp_path / "out"
     report = tmp_path / "r.json"
     report.write_text('{"mine": true}')
-    import sdvg_engine.cli as cli
+    original = Path.write_text
 
-    def interrupted(path, text):
-        raise KeyboardInterrupt
+    def half_then_interrupted(self, data, *args, **kwargs):
+        if data.lstrip().startswith(("[", "{")) and '"settings"' in data:  # the report, not the manifest
+            original(self, data[: len(data) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+        return original(self, data, *args, **kwargs)
 
-    monkeypatch.setattr(cli, "write_text_atomic", interrupted)
+    monkeypatch.setattr(Path, "write_text", half_then_interrupted)
     assert main(generate_args(files, out, "--report", str(report), "--overwrite")) == 130
     assert report.read_text() == '{"mine": true}'
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]

@@ -1,0 +1,178 @@
+"""``sdvg generate``: videos with SDVG (or a baseline mode), their acceptance masks and a report."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+
+from .arg_checks import _scores_drafts, parse_taus
+from .common import UsageError, _print_err
+from .outputs import _finish_outputs, plan_generate_outputs
+from .prompts import _contexts, plan_prompts
+
+
+def generator_kwargs(args, role: str) -> dict:
+    """Keyword arguments of :func:`sdvg_engine.loaders.load_generator` for ``role`` (``drafter``/``target``);
+    one place to map new model flags."""
+    common = dict(name=role, dtype=args.dtype, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv, compile=args.compile,
+                  preset=args.preset)
+    if role == "drafter":
+        return dict(common, device=args.drafter_device or args.device, context_scheme=args.drafter_context,
+                    schedule=args.drafter_schedule)
+    return dict(common, device=args.device, fp8=args.fp8_target, context_scheme=args.target_context,
+                schedule=args.target_schedule, attention_bias=args.attention_bias)
+
+
+def router_kwargs(args) -> dict:
+    """Keyword arguments of :class:`sdvg_engine.router.RewardRouter` (besides the scorer)."""
+    return dict(tau=args.tau, aggregation=args.aggregation, crop=args.crop, temporal_weight=args.temporal_weight,
+                tau_mode=args.tau_mode, accept_rate=args.accept_rate, preprocess=args.reward_preprocess)
+
+
+def build_pipeline(args):
+    from ..loaders import load_generator, parse_dtype
+    from ..pipeline import SpeculativePipeline
+    from ..router import RewardRouter
+    from ..vae import load_wan_vae
+
+    if _scores_drafts(args) and not args.reward:
+        raise UsageError(f"--reward: mode {args.mode!r}{' with --schedule-veto' if args.mode == 'schedule' else ''} "
+                         "needs --reward (an ImageReward.pt file)")
+    from ..offload import resolve_memory_args
+
+    offload, kv_dtype = resolve_memory_args(args)  # --vram-gb / --offload / --kv-dtype (docs/memory.md)
+    aux = args.aux_device or args.device
+    vae = load_wan_vae(args.vae, device=aux, dtype=parse_dtype(args.vae_dtype))
+    drafter = load_generator(args.drafter, **generator_kwargs(args, "drafter"),
+                             offload="blocks" if offload == "both" else "none", kv_dtype=kv_dtype)
+    target = load_generator(args.target, **generator_kwargs(args, "target"),
+                            offload="none" if offload == "none" else "blocks", kv_dtype=kv_dtype)
+    router = None
+    if args.reward:
+        from ..reward import load_image_reward
+
+        scorer = load_image_reward(args.reward, device=aux)
+        router = RewardRouter(scorer, **router_kwargs(args))
+    pipe = SpeculativePipeline(drafter, target, vae, router)
+    pipe.preset = args.preset
+    pipe.workers = args.workers if args.workers == "auto" else int(args.workers)
+    return pipe
+
+
+def _progress(num_blocks: int, tau: float | None):
+    started = time.perf_counter()
+
+    def on_block(record):
+        d = record.decision
+        if d is None:
+            verdict = "target" if record.source == "target" else "draft kept"
+        elif d.frames_scored == 0:
+            verdict = f"random draw -> {'accepted' if d.accept else 'rejected'}"
+        else:
+            verdict = f"draft score {d.block_score:+.3f} vs tau {tau:+.2f} -> {'accepted' if d.accept else 'rejected'}"
+        bar = "#" * (record.index + 1) + "." * (num_blocks - record.index - 1)
+        _print_err(f"[{bar}] block {record.index + 1}/{num_blocks}: {verdict} ({time.perf_counter() - started:.1f} s)")
+
+    return on_block
+
+
+def _video_suffix(args) -> str:
+    from ..video_io import default_video_suffix, have_pyav
+
+    if args.format == "mp4" and not have_pyav():
+        raise UsageError("--format mp4: needs PyAV (pip install av); or use --format webp")
+    suffix = f".{args.format}" if args.format else default_video_suffix()
+    if suffix == ".webp" and not have_pyav() and not args.format:
+        _print_err("PyAV is not installed: writing animated WebP instead of MP4 (pip install av for MP4)")
+    return suffix
+
+
+def cmd_generate(args) -> int:
+    from PIL import Image
+
+    from ..pipeline import CancelToken, GenerationCancelled, NonFiniteOutputError, SDVGOptions, video_frames_to_latent_frames
+    from ..video_io import atomic_output, mask_strip, write_video
+
+    options = SDVGOptions(mode=args.mode, force_first_block=args.force_first_block, random_accept_prob=args.random_p,
+                          refine_from_step=args.refine_from_step, cascade=args.cascade,
+                          schedule_every=args.schedule_every, schedule_veto=args.schedule_veto)
+    num_blocks = video_frames_to_latent_frames(args.frames) // 3
+    taus = parse_taus(args.taus) if args.taus else [args.tau]
+    # Everything that can be checked without a model is checked before the first load.
+    plan = plan_prompts(args)
+    suffix = _video_suffix(args)
+    out, files, report_path = plan_generate_outputs(args, len(plan[0]) * len(taus), suffix)
+    pairs = _contexts(args, plan)
+    pipe = build_pipeline(args)  # --out is created by the first finished video, not before
+    if len(taus) > 1:
+        from ..memo import ReplayMemo
+
+        pipe.memo = ReplayMemo()  # each tau after the first replays the blocks before its first changed decision
+    jobs = [(prompt, context, i, tau) for i, (prompt, context) in enumerate(pairs) for tau in taus]
+    sweep_started, estimated_independent = time.perf_counter(), 0.0
+
+    token = CancelToken()
+
+    def on_sigint(signum, frame):
+        if token.cancelled:
+            raise KeyboardInterrupt
+        _print_err("cancelling after the current model call (Ctrl-C again to abort)")
+        token.cancel()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    reports = []
+    try:
+        for k, (prompt, context, i, tau) in enumerate(jobs):
+            _print_err(f"video {k + 1}/{len(jobs)}: {prompt[:80]}" + (f" (tau {tau:g})" if len(taus) > 1 else ""))
+            if pipe.router is not None:
+                pipe.router.tau = tau
+            started = time.perf_counter()
+            try:
+                result = pipe.generate(context, prompt=prompt, num_frames=args.frames, width=args.width, height=args.height,
+                                       seed=args.seed + i, options=options, cancel=token,
+                                       on_block=_progress(num_blocks, tau if _scores_drafts(args) else None))
+            except GenerationCancelled as err:
+                if reports:  # the finished videos form a complete set with their report (never a mix)
+                    _finish_outputs(args, out, files[: len(reports)], report_path, reports)
+                _print_err(f"sdvg generate: {err}; {len(reports)} finished video(s) kept in {out}")
+                return 130
+            except NonFiniteOutputError as err:  # name the files behind "the drafter's"/"the target's" output
+                raise NonFiniteOutputError(f"video {i + 1} ({prompt[:40]!r}): {err} Files: drafter {args.drafter}, "
+                                           f"target {args.target}.") from err
+            replay = result.report.get("replay", {})
+            estimated_independent += time.perf_counter() - started + replay.get("seconds_saved", 0.0)
+            if replay.get("replayed_blocks"):
+                _print_err(f"  replayed {replay['replayed_blocks']} block(s) of an earlier tau "
+                           f"(~{replay['seconds_saved']:.1f} s saved)")
+            video_path, mask_path = files[k]
+            # Both written to temporary names first, the mask renamed right after the video: a failure (or Ctrl-C) in
+            # either leaves neither, never a video without its mask (the earlier set's pair stays as it was).
+            mask_path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_output(mask_path) as tmp:
+                Image.fromarray(mask_strip(result.acceptance_mask)).save(tmp, format="PNG")
+                video = write_video(result.frames, video_path)  # temporary file + rename
+            result.report["video"] = str(video)
+            reports.append(result.report)
+            speed = result.report["speedup_vs_target"]
+            _print_err(f"  -> {video}  acceptance {result.report['acceptance']['rate_after_first_block']}  "
+                       f"speedup vs target {speed:.2f}x" if speed else f"  -> {video}")
+    except BaseException:
+        # Ctrl-C, a failed write or model: the finished videos form a complete set with their report, as after a
+        # cancel (with --overwrite never beside an earlier run's report and leftovers), then the error goes on.
+        if reports:
+            try:
+                _finish_outputs(args, out, files[: len(reports)], report_path, reports)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    _finish_outputs(args, out, files, report_path, reports)
+    print(f"wrote {len(reports)} video(s) to {out} and the report to {report_path}")
+    if len(taus) > 1:
+        wall = time.perf_counter() - sweep_started
+        print(f"tau sweep {','.join(f'{t:g}' for t in taus)}: {wall:.1f} s with replay; independent runs would take about "
+              f"{estimated_independent:.1f} s (each run's time plus what its replayed blocks took), "
+              f"{estimated_independent / wall:.2f}x")
+    return 0
