@@ -21,21 +21,15 @@ except ImportError:
     except ImportError:
         from comfy_api.latest import ComfyExtension, io, ui
 
-from . import logic, schema
+from . import compat, logic, schema
 
-#: Pack model folders (under ComfyUI's models/) and the files they list.
-_PT = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".safetensors", ".pkl", ".sft")
-MODEL_FOLDERS = {"sdvg": _PT, "sdvg_reward": _PT, "image_reward": _PT, "sdvg_embeddings": (".safetensors",)}
+MODEL_FOLDERS = compat.MODEL_FOLDERS
 
 
 def register_model_folders() -> None:
     """Register models/sdvg, models/sdvg_reward, models/image_reward and models/sdvg_embeddings
     (extra_model_paths.yaml entries with these names are kept and extended)."""
-    for name, extensions in MODEL_FOLDERS.items():
-        folder_paths.add_model_folder_path(name, os.path.join(folder_paths.models_dir, name))
-        paths, known = folder_paths.folder_names_and_paths[name]
-        if not known:  # a new key lists every file (README.txt, .DS_Store ...): restrict it to model files
-            folder_paths.folder_names_and_paths[name] = (paths, set(extensions))
+    compat.register_folders_in(folder_paths, MODEL_FOLDERS)
 
 
 class ComfyServices(logic.Services):
@@ -98,12 +92,21 @@ class ComfyServices(logic.Services):
 
 
 # ------------------------------------------------------------------------------------------------- schema building
-_CUSTOM = {schema.SDVG_MODEL: io.Custom(schema.SDVG_MODEL), schema.SDVG_ROUTER: io.Custom(schema.SDVG_ROUTER)}
+_CUSTOM = {name: io.Custom(name) for name in (schema.SDVG_MODEL, schema.SDVG_ROUTER, schema.SDVG_OPTIONS)}
 _SOCKETS = {"CONDITIONING": io.Conditioning, "VAE": io.Vae, "IMAGE": io.Image, "MASK": io.Mask,
             "LATENT": io.Latent, "FLOAT": io.Float, "STRING": io.String, **_CUSTOM}
 
 
 def _input(spec: schema.InputSpec):
+    made = _make_input(spec)
+    if spec.advanced and isinstance(getattr(made, "extra_dict", None), dict):
+        # Sent in /object_info as the input's "advanced" option: frontends that know it (1.3x+) fold the widget under
+        # the node's advanced toggle; older ones ignore it. Its place in widgets_values is unchanged.
+        made.extra_dict["advanced"] = True
+    return made
+
+
+def _make_input(spec: schema.InputSpec):
     common = dict(optional=spec.optional, tooltip=spec.tooltip, lazy=spec.lazy or None)
     if spec.type == "INT":
         return io.Int.Input(spec.name, default=spec.default, min=spec.min, max=spec.max, step=spec.step,
@@ -174,8 +177,10 @@ class SDVGSpeculativeSampler(io.ComfyNode):
         return build_schema(schema.SAMPLER, hidden=[io.Hidden.unique_id])
 
     @classmethod
-    def check_lazy_status(cls, mode, drafter=None, target=None, router=None, schedule_veto=False, **_):
-        return logic.needed_inputs(mode, drafter, target, router, schedule_veto)
+    def check_lazy_status(cls, mode, drafter=None, target=None, router=None, schedule_veto=False,
+                          advanced_options=None, **_):
+        return logic.needed_inputs(mode, drafter, target, router,
+                                   logic.effective_schedule_veto(schedule_veto, advanced_options))
 
     @classmethod
     def validate_inputs(cls, length):
@@ -199,7 +204,18 @@ class SDVGLoadPromptEmbeddings(io.ComfyNode):
         return _output(logic.run_node("SDVGLoadPromptEmbeddings", ComfyServices(), **inputs))
 
 
-NODE_CLASSES = [SDVGLoadDrafter, SDVGLoadTarget, SDVGRewardRouter, SDVGSpeculativeSampler, SDVGLoadPromptEmbeddings]
+class SDVGAdvancedOptions(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.ADVANCED_OPTIONS)
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGAdvancedOptions", ComfyServices(), **inputs))
+
+
+NODE_CLASSES = [SDVGLoadDrafter, SDVGLoadTarget, SDVGRewardRouter, SDVGSpeculativeSampler, SDVGLoadPromptEmbeddings,
+                SDVGAdvancedOptions]
 assert [c.__name__ for c in NODE_CLASSES] == [s.node_id for s in schema.NODES]
 
 

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 import torch
 
+from sdvg_engine.checks import check_choice, check_int
 from sdvg_engine.comfy_bridge import ModuleHolder
 from sdvg_engine.vae import wan_vae_from_state_dict
 from sdvg_engine.context import make_context_scheme
@@ -167,16 +168,19 @@ def combo_options(spec: schema.InputSpec, services: Services) -> list:
 
 
 def resolve_devices(device: str, services: Services) -> tuple[torch.device, torch.device]:
-    """``(load_device, offload_device)`` for a loader's device choice."""
+    """``(load_device, offload_device)`` for a loader's device choice: ``auto`` or one of the devices the node's
+    combo lists here (``cpu``, ``cuda:N`` for each visible GPU); anything else is refused by name."""
     if device == "auto":
         load = services.main_device()
     else:
-        try:
-            load = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda:N', got {device!r}") from None
-        if load.type == "cuda" and load.index is not None and load.index >= services.cuda_count():
-            raise ValueError(f"device {device!r} does not exist: {services.cuda_count()} CUDA device(s) visible")
+        options = schema.device_options(services.cuda_count())
+        if not isinstance(device, str) or device not in options:
+            if isinstance(device, str) and re.fullmatch(r"cuda:\d+", device):
+                raise ValueError(f"device {device!r} does not exist: {services.cuda_count()} CUDA device(s) visible; "
+                                 f"pick one of {options}")
+            raise ValueError(f"device must be one of {options} on this machine, got {device!r}; pick 'auto' (ComfyUI's "
+                             "main device) or one listed")
+        load = torch.device(device)
     offload = torch.device("cpu") if load.type == "cpu" else services.offload_device()
     return load, offload
 
@@ -257,9 +261,43 @@ def load_sdvg_model(path: str, *, role: str, dtype: str = "bf16", device: str = 
     )
 
 
+def card_settings(card: str, role: str, on_cuda: bool = True) -> dict:
+    """The loader settings (``dtype``, ``offload``, ``kv_dtype``, ``context_scheme``) the memory plan picks for a
+    ``card`` of the loaders' ``card`` input, for the ``role`` ``drafter`` or ``target``; ``{}`` for ``manual``.
+
+    One rule with the CLI's ``--vram-gb``: :func:`sdvg_engine.offload.plan_memory` at 832x480, 81 frames. Off CUDA
+    (``on_cuda=False``) nothing is streamed: the weights are in RAM already and block offload needs a GPU."""
+    from sdvg_engine.offload import plan_memory
+
+    check_choice("card", card, schema.CARDS)
+    if card == "manual":
+        return {}
+    plan = plan_memory(float(card.split()[0]))
+    streamed = {"target": ("target", "both"), "drafter": ("both",)}[role]
+    settings = {"dtype": "fp8" if role == "target" and plan.fp8_target else "bf16",
+                "offload": "blocks" if on_cuda and plan.offload in streamed else "none",
+                "kv_dtype": plan.kv_dtype}
+    if role == "drafter" and plan.drafter_context != "auto":
+        settings["context_scheme"] = plan.drafter_context
+    return settings
+
+
 def load_model_node(ckpt_name: str, dtype: str, device: str, context_scheme: str, *, role: str,
-                    services: Services, offload: str = "none", kv_dtype: str = "auto") -> SDVGModel:
+                    services: Services, offload: str = "none", kv_dtype: str = "auto", card: str = "manual") -> SDVGModel:
+    """The work of SDVGLoadDrafter / SDVGLoadTarget. ``card`` other than ``manual`` replaces ``dtype``, ``offload``,
+    ``kv_dtype`` (and the drafter's ``context_scheme`` where the plan changes it) with the memory plan's."""
+    dtypes = schema.DRAFTER_DTYPES if role == "drafter" else schema.TARGET_DTYPES
+    if not isinstance(dtype, str) or dtype not in dtypes:
+        fix = "; fp8 is for the target (the drafter is small: use bf16)" if role == "drafter" and dtype == "fp8" else ""
+        raise ValueError(f"dtype of the {role} must be one of {dtypes}, got {dtype!r}{fix}")
     check_model_name(ckpt_name, schema.DRAFTER_FOLDERS)  # also under ComfyUI, whose own resolver may normalise the name
+    if card != "manual":
+        on_cuda = resolve_devices(device, services)[0].type == "cuda"
+        chosen = card_settings(card, role, on_cuda)
+        dtype, offload, kv_dtype = chosen["dtype"], chosen["offload"], chosen["kv_dtype"]
+        context_scheme = chosen.get("context_scheme", context_scheme)
+    else:
+        check_choice("card", card, schema.CARDS)
     path = services.resolve(schema.DRAFTER_FOLDERS, ckpt_name)
     return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services,
                            offload=offload, kv_dtype=kv_dtype)
@@ -429,6 +467,7 @@ def load_prompt_embedding(path: str, index: int) -> tuple[list, str]:
 
 
 def load_embeddings_node(embeddings_file: str, index: int, *, services: Services) -> tuple[list, str]:
+    index = check_int("index", index, low=0, fix="pass the prompt's position in the file, 0 for the first")
     check_model_name(embeddings_file, schema.EMBEDDINGS_FOLDERS)  # also under ComfyUI, whose own resolver may normalise the name
     path = services.resolve(schema.EMBEDDINGS_FOLDERS, embeddings_file)
     conditioning, prompt = load_prompt_embedding(path, index)
@@ -439,6 +478,10 @@ def load_embeddings_node(embeddings_file: str, index: int, *, services: Services
 # ========================================================================================================== sampler
 def geometry_problem(width, height, length) -> str | None:
     """Why ``width``/``height``/``length`` cannot work (``None`` when they can); linked values (``None``) pass."""
+    for name, value in (("width", width), ("height", height), ("length", length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return (f"{name} must be a whole number, got {value!r} ({type(value).__name__}); "
+                    f"e.g. {name}={schema.SAMPLER.input(name).default}")
     for name, value in (("width", width), ("height", height)):
         if value is not None and (value < 16 or value > 2048 or value % 16):
             return f"{name} must be a multiple of 16 in 16..2048, got {value}"
@@ -463,6 +506,27 @@ def needed_inputs(mode: str, drafter=None, target=None, router=None, schedule_ve
     if router is None and SDVGOptions(mode=mode, schedule_veto=bool(schedule_veto)).scores_drafts:
         needed.append("router")
     return needed
+
+
+def advanced_values(options) -> dict:
+    """The settings an SDVG Advanced Options output carries (checked: a wrong socket gives a clear error)."""
+    if not isinstance(options, dict) or set(options) != set(schema.ADVANCED_NAMES):
+        raise ValueError(f"advanced_options: expected the output of SDVG Advanced Options, got "
+                         f"{type(options).__name__}; connect that node or leave the input empty")
+    return dict(options)
+
+
+def advanced_options_node(**values) -> dict:
+    """The work of SDVG Advanced Options: its widget values, by name, for the sampler's advanced_options input."""
+    return {name: values[name] for name in schema.ADVANCED_NAMES}
+
+
+def effective_schedule_veto(schedule_veto: bool, advanced_options=None) -> bool:
+    """The schedule_veto a sampler run uses (the Advanced Options node's when connected): the lazy router check
+    needs it before the run starts."""
+    if isinstance(advanced_options, dict) and "schedule_veto" in advanced_options:
+        return bool(advanced_options["schedule_veto"])
+    return bool(schedule_veto)
 
 
 @dataclass
@@ -503,12 +567,18 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                 mode: str = "sdvg", force_first_block: bool = True, refine_from_step: int = 0, cascade: bool = False,
                 random_accept_prob: float = 0.73, services: Services | None = None, preset: str = "reference",
                 workers: str = "auto", replay: bool = True, schedule_every: int = 3,
-                schedule_veto: bool = False) -> SamplerOutput:
+                schedule_veto: bool = False, advanced_options: dict | None = None) -> SamplerOutput:
     """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here.
 
     With ``replay`` the module's :data:`REPLAY_MEMO` carries earlier runs across executions, so a run that
     differs only in the router's tau settings reuses every block before its first changed decision."""
     services = services or Services()
+    if advanced_options is not None:  # SDVG Advanced Options wins over the sampler's own widgets
+        chosen = advanced_values(advanced_options)
+        refine_from_step, cascade, random_accept_prob = (chosen["refine_from_step"], chosen["cascade"],
+                                                         chosen["random_accept_prob"])
+        preset, workers, replay = chosen["preset"], chosen["workers"], chosen["replay"]
+        schedule_every, schedule_veto = chosen["schedule_every"], chosen["schedule_veto"]
     presets.check_preset(preset)
     if str(workers) not in schema.WORKER_CHOICES:
         raise ValueError(f"workers must be one of {schema.WORKER_CHOICES}, got {workers!r}")
@@ -640,6 +710,7 @@ _NODE_FUNCTIONS = {
     "SDVGRewardRouter": lambda services, **kw: NodeResult((build_router(services=services, **kw),)),
     "SDVGSpeculativeSampler": _sampler_node,
     "SDVGLoadPromptEmbeddings": _embeddings_node,
+    "SDVGAdvancedOptions": lambda services, **kw: NodeResult((advanced_options_node(**kw),)),
 }
 
 
@@ -691,86 +762,11 @@ def clear_replay_memo() -> None:
 
 # ============================================================================================================= plot
 def score_plot(report: dict, width: int = 640, height: int = 360) -> torch.Tensor:
-    """Per-block draft scores against the threshold, drawn with PIL: ``[1, height, width, 3]`` float 0..1.
+    """The report's score plot (:mod:`sdvg_engine.score_view`: per block, the quantity compared with tau against the
+    block's own threshold) as a ComfyUI IMAGE ``[1, height, width, 3]`` float 0..1."""
+    from sdvg_engine.score_view import draw_score_plot
 
-    Green dot = draft kept, red cross = draft rejected (target regenerated it), grey square on the axis =
-    block not scored (not drafted, or accepted without scoring in draft_only / first_block_only).
-    """
-    from PIL import Image, ImageDraw, ImageFont
-
-    settings = report.get("settings", {})
-    blocks = report.get("blocks", [])
-    mode = settings.get("mode", "sdvg")
-    if mode == "random":
-        threshold, label = settings.get("random_accept_prob"), "p (keep if u < p)"
-    else:
-        threshold, label = settings.get("tau"), "tau"
-    threshold = threshold if isinstance(threshold, (int, float)) and math.isfinite(threshold) else None
-
-    points = []  # (block, score or None, kept)
-    for b in blocks:
-        decision = b.get("decision")
-        score = decision.get("block_score") if decision else None
-        points.append((b["index"], score if isinstance(score, (int, float)) and math.isfinite(score) else None,
-                       b.get("source") == "draft"))
-    free = report.get("free_tau_interval") or {}
-    band = (free.get("above"), free.get("up_to")) if free else (None, None)
-    values = [s for _, s, _ in points if s is not None] + ([threshold] if threshold is not None else [])
-    lo, hi = (min(values), max(values)) if values else (-1.0, 1.0)
-    if hi - lo < 1e-6:
-        lo, hi = lo - 1.0, hi + 1.0
-    pad = 0.1 * (hi - lo)
-    lo, hi = lo - pad, hi + pad
-
-    img = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(img)
-    font = ImageFont.load_default()
-    left, right, top, bottom = 56, width - 16, 28, height - 36
-    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
-    n = max(len(points), 1)
-
-    def x_of(i: int) -> float:
-        return left + (i + 0.5) * (right - left) / n
-
-    def y_of(v: float) -> float:
-        return bottom - (v - lo) / (hi - lo) * (bottom - top)
-
-    if free and threshold is not None:
-        # The free interval: every tau in (above, up_to] keeps all decisions, so the next run replays at once.
-        y_hi = y_of(band[1]) if band[1] is not None else top
-        y_lo = y_of(band[0]) if band[0] is not None else bottom
-        draw.rectangle([left + 1, max(top, min(y_hi, y_lo)), right - 1, min(bottom, max(y_hi, y_lo))], fill=(222, 236, 255))
-        lo_text = "-inf" if band[0] is None else f"{band[0]:.2f}"
-        hi_text = "inf" if band[1] is None else f"{band[1]:.2f}"
-        draw.text((left + 4, top + 2), f"free tau: ({lo_text}, {hi_text}]", fill=(40, 90, 220), font=font)
-    for k in range(5):  # y grid and labels
-        v = lo + k * (hi - lo) / 4
-        y = y_of(v)
-        draw.line([left, y, right, y], fill=(225, 225, 225))
-        draw.text((4, y - 6), f"{v:.2f}", fill=(0, 0, 0), font=font)
-    if threshold is not None:
-        y = y_of(threshold)
-        draw.line([left, y, right, y], fill=(40, 90, 220), width=2)
-        draw.text((right - 150, y - 14), f"{label} = {threshold:.2f}", fill=(40, 90, 220), font=font)
-    for i, score, kept in points:
-        x = x_of(i)
-        draw.text((x - 3, bottom + 4), str(i), fill=(0, 0, 0), font=font)
-        if score is None:
-            draw.rectangle([x - 4, bottom - 8, x + 4, bottom], fill=(150, 150, 150))
-            continue
-        y = y_of(score)
-        draw.text((x + 7, y - 6), f"{score:.2f}", fill=(90, 90, 90), font=font)  # tau at which this block flips
-        if kept:
-            draw.ellipse([x - 5, y - 5, x + 5, y + 5], fill=(30, 160, 60))
-        else:
-            draw.line([x - 5, y - 5, x + 5, y + 5], fill=(210, 40, 40), width=3)
-            draw.line([x - 5, y + 5, x + 5, y - 5], fill=(210, 40, 40), width=3)
-    acc = report.get("acceptance", {})
-    title = f"SDVG {mode}: kept {acc.get('accepted_blocks', 0)}/{acc.get('drafted_blocks', 0)} drafted blocks"
-    draw.text((left, 8), title, fill=(0, 0, 0), font=font)
-    draw.text((left, height - 16), "block  (green = kept draft, red = regenerated, grey = not scored)",
-              fill=(80, 80, 80), font=font)
-    array = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(height, width, 3)
+    array = torch.from_numpy(draw_score_plot(report, width, height))
     return (array.float() / 255.0).unsqueeze(0)
 
 

@@ -11,7 +11,7 @@ at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 CATEGORY = "SDVG"
@@ -22,6 +22,10 @@ WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 #: Custom socket types of this pack.
 SDVG_MODEL = "SDVG_MODEL"
 SDVG_ROUTER = "SDVG_ROUTER"
+SDVG_OPTIONS = "SDVG_OPTIONS"
+
+#: Where the node reference lives (tooltips point there for the details).
+DOCS = "docs/nodes.md"
 
 #: Dynamic combo sources, resolved at schema time by the host (ComfyUI: ``folder_paths``).
 #: ``files:<folder>[,<folder>...]`` lists model files of those registered folders; ``devices`` lists
@@ -64,6 +68,11 @@ class InputSpec:
     optional: bool = False
     #: evaluated only when the node asks for it (``check_lazy_status``): unused models are never loaded.
     lazy: bool = False
+    #: an expert setting: frontends that support it (1.3x+) fold it under the node's "advanced" toggle; the widget
+    #: keeps its place in ``widgets_values``.
+    advanced: bool = False
+    #: longer explanation for the node reference (docs/nodes.md); the tooltip stays one or two sentences.
+    details: str = ""
 
     @property
     def is_widget(self) -> bool:
@@ -111,39 +120,68 @@ class NodeSpec:
 OFFLOAD_MODES = ("none", "blocks")
 #: the loaders' ``kv_dtype`` input (appended, optional)
 KV_DTYPES = ("auto", "fp8")
+#: the loaders' ``card`` input (appended, optional): one choice that applies the memory plan for that card size
+#: (``sdvg_engine.offload.plan_memory`` at 832x480, 81 frames); ``manual`` uses the loader's own widgets.
+CARDS = ("manual", "16 GB", "24 GB", "48 GB", "80 GB")
+#: Router defaults for a node added from the menu: the held-out routing benchmark's choice (docs/routing.md).
+#: Saved workflows keep their own values (they store every widget).
+DEFAULT_TAU_MODE, DEFAULT_TAU = "relative", -0.25
+TAU_MODES = ("fixed", "accept_rate", "relative", "anchor", "baseline")
+
+
+def _docs(anchor: str) -> str:
+    return f" Details: {DOCS}#{anchor}."
 
 
 def _model_loader(node_id: str, display: str, role: str, dtypes: tuple[str, ...], description: str) -> NodeSpec:
-    dtype_tip = (
-        "Weight dtype. bf16 is the models' native precision; fp16 may overflow; fp32 doubles memory."
-        + (" fp8 stores the transformer-block weights in float8 (about half the memory of bf16) and computes in bf16."
-           if "fp8" in dtypes else "")
-    )
+    anchor = display.lower().replace(" ", "-")
+    fp8 = "fp8" in dtypes
     return NodeSpec(
         node_id=node_id,
         display_name=display,
         description=description,
         inputs=(
             InputSpec("ckpt_name", "COMBO", options_from=("files",) + DRAFTER_FOLDERS,
-                      tooltip=f"The causal Wan2.1 {role} checkpoint, from models/diffusion_models (or models/unet) or "
-                              "models/sdvg. Self-Forcing .pt, Krea .safetensors, ComfyUI, original Wan and diffusers "
-                              "layouts are recognised from the keys."),
-            InputSpec("dtype", "COMBO", options=dtypes, default="bf16", tooltip=dtype_tip),
+                      tooltip=f"The causal Wan2.1 {role} checkpoint, from models/diffusion_models or models/sdvg."
+                              + _docs(anchor),
+                      details="Self-Forcing .pt, Krea .safetensors, ComfyUI, original Wan and diffusers layouts are "
+                              "recognised from the keys; models/unet is searched too."),
+            InputSpec("dtype", "COMBO", options=dtypes, default="bf16",
+                      tooltip="Weight precision: bf16 is the models' own"
+                              + ("; fp8 halves the 14B's memory (24 GB and 16 GB cards)." if fp8 else ".")
+                              + " A card other than 'manual' overrides it." + _docs(anchor),
+                      details="fp16 may overflow; fp32 doubles memory."
+                              + (" fp8 stores the transformer-block weights in float8 with a per-tensor scale and "
+                                 "computes in bf16." if fp8 else "")),
             InputSpec("device", "COMBO", options_from=(DEVICES,), default="auto",
-                      tooltip="Where the model runs. auto = ComfyUI's main device; cuda:N puts it on GPU N, so drafter "
-                              "and target can sit on different GPUs. Weights wait on the offload device between runs."),
+                      tooltip="Where the model runs: auto = ComfyUI's main device; cuda:N puts it on GPU N (drafter "
+                              "and target may sit on different GPUs)." + _docs(anchor),
+                      details="Weights wait on ComfyUI's offload device between runs."),
             InputSpec("context_scheme", "COMBO", options=CONTEXT_SCHEMES, default="auto",
-                      tooltip="How the model sees earlier frames. auto = what the checkpoint was trained with "
-                              "(Self-Forcing 1.3B: global_cache, up to 81 frames; Krea 14B: recompute_window, any "
-                              "length). The denoising schedule follows the weights (14B Krea: 5 calls; 1.3B Self-Forcing: 4)."),
-            InputSpec("offload", "COMBO", options=OFFLOAD_MODES, default="none", optional=True,
-                      tooltip="blocks = keep the transformer blocks in CPU RAM (pinned) and stream them to the GPU one "
-                              "block ahead of use, overlapping compute: the 14B fp8 target then needs ~1.5 GB of VRAM "
-                              "instead of ~14 GB, at a small slowdown (docs/memory.md). CUDA only. none = all on the GPU."),
-            InputSpec("kv_dtype", "COMBO", options=KV_DTYPES, default="auto", optional=True,
-                      tooltip="Storage of the attention KV cache. auto = the model's dtype; fp8 = float8 with a scale "
-                              "per row, about half the memory (the 14B's 832x480 window: 7.5 -> 4.1 GB), attention still "
-                              "in bf16; measured error ~0.6% of the latents (docs/memory.md)."),
+                      tooltip="How the model sees earlier frames; auto = what the checkpoint was trained with."
+                              + _docs(anchor),
+                      details="Self-Forcing 1.3B: global_cache, up to 81 frames; Krea 14B: recompute_window, any "
+                              "length. The denoising schedule follows the weights (14B Krea: 5 calls; 1.3B "
+                              "Self-Forcing: 4). The 16 GB card sets the drafter to recompute_window."),
+            InputSpec("offload", "COMBO", options=OFFLOAD_MODES, default="none", optional=True, advanced=True,
+                      tooltip="blocks = keep the transformer blocks in CPU RAM and stream them to the GPU as they "
+                              "run (CUDA only); a card other than 'manual' overrides it." + _docs(anchor),
+                      details="The 14B fp8 target then needs ~1.5 GB of VRAM instead of ~14 GB, at a small slowdown "
+                              "(pinned memory, one block prefetched ahead; bit-identical output)."),
+            InputSpec("kv_dtype", "COMBO", options=KV_DTYPES, default="auto", optional=True, advanced=True,
+                      tooltip="Storage of the attention KV cache: auto = the model's dtype; fp8 about halves it. "
+                              "A card other than 'manual' overrides it." + _docs(anchor),
+                      details="fp8 is float8 with a scale per row (the 14B's 832x480 window: 7.5 -> 4.1 GB); "
+                              "attention still runs in bf16; measured error ~0.6% of the latents."),
+            InputSpec("card", "COMBO", options=CARDS, default="manual", optional=True,
+                      tooltip="Your GPU's memory: applies the memory plan's settings for this model and overrides "
+                              "dtype, offload and kv_dtype (manual = use them as set)." + _docs(anchor),
+                      details="The plan (sdvg_engine.offload.plan_memory at 832x480, 81 frames) per card: 80 GB: "
+                              "everything bf16; 48 GB: fp8 target; 24 GB: fp8 target streamed from CPU RAM, fp8 KV "
+                              "caches; 16 GB: also the drafter streamed and on the recompute window. The VAE is "
+                              "ComfyUI's: it runs in bf16 on RTX 30xx/40xx by default (do not launch with "
+                              "--fp32-vae on 16/24 GB). On a CPU device nothing is streamed (the weights are in RAM "
+                              "already). Set the same card on both loaders."),
         ),
         outputs=(OutputSpec("model", SDVG_MODEL, f"The loaded {role} (shared by runs; never modified by the sampler)."),),
     )
@@ -159,50 +197,103 @@ LOAD_TARGET = _model_loader(
     "Loads the large causal model that regenerates rejected blocks (e.g. Krea Realtime Wan2.1 14B).",
 )
 
+_ROUTER_DOCS = _docs("sdvg-reward-router")
 REWARD_ROUTER = NodeSpec(
     node_id="SDVGRewardRouter",
     display_name="SDVG Reward Router",
     description="ImageReward routing: each drafted block is decoded, every frame is scored against the prompt, "
-                "and the block is kept when its aggregated score reaches tau. The reward model is loaded once per "
-                "file; changing tau only rebuilds this cheap node.",
+                "and the block is kept when its score passes the threshold (see tau_mode). The reward model is "
+                "loaded once per file; changing tau only rebuilds this cheap node.",
     inputs=(
         InputSpec("reward_model", "COMBO", options_from=("files",) + REWARD_FOLDERS,
-                  tooltip="ImageReward checkpoint (ImageReward.pt from THUDM/ImageReward, or a .safetensors with the "
-                          "same keys) from models/sdvg_reward or models/image_reward."),
-        InputSpec("tau", "FLOAT", default=-0.7, min=-5.0, max=5.0, step=0.05, round=0.01, slider=True,
-                  tooltip="Acceptance threshold on the block score (ImageReward scale, about N(0,1)). Higher = more "
-                          "blocks regenerated by the target (better, slower); lower = more drafts kept (faster)."),
+                  tooltip="ImageReward checkpoint (ImageReward.pt from THUDM/ImageReward) in models/sdvg_reward or "
+                          "models/image_reward." + _ROUTER_DOCS,
+                  details="A .safetensors with the same keys works too."),
+        InputSpec("tau", "FLOAT", default=DEFAULT_TAU, min=-5.0, max=5.0, step=0.05, round=0.01, slider=True,
+                  tooltip="The keep threshold: higher = more blocks regenerated by the target (better, slower). "
+                          "relative/anchor/baseline: a margin over the reference score, about -1..0.5 (-0.25 "
+                          "chosen on held-out scenes); fixed: an ImageReward score, about -2..2 (paper: -0.7)."
+                          + _ROUTER_DOCS,
+                  details="Unused in accept_rate mode. Fix the sampler's seed while tuning tau: a tau change then "
+                          "replays every block before the first decision that flips. The score plot draws the "
+                          "quantity compared with tau and the band of tau values that change nothing."),
         InputSpec("aggregation", "COMBO", options=("min", "mean"), default="min",
                   tooltip="How frame scores make a block score: min (one bad frame rejects the block) or mean."),
         InputSpec("crop", "COMBO", options=("center", "full"), default="center",
                   tooltip="center: ImageReward's own resize + center crop; full: squash the whole frame so the "
                           "borders are scored too."),
         InputSpec("temporal_weight", "FLOAT", default=0.0, min=-10.0, max=10.0, step=0.05, round=0.01,
-                  tooltip="Adds this weight x the mean cosine similarity of consecutive frames' features to the "
-                          "block score (0 = off). Similarity favours static video; use sparingly."),
-        InputSpec("tau_mode", "COMBO", options=("fixed", "accept_rate", "relative", "anchor", "baseline"),
-                  default="fixed", optional=True,
-                  tooltip="fixed: compare every block with tau. accept_rate: per-block threshold = the "
-                          "(1 - accept_rate) quantile of the draft scores seen so far in this video, started from "
-                          "a prior N(0.566, 1.071^2) worth 5 blocks, so about accept_rate of the drafts are kept "
-                          "(tau is then unused). relative: keep a draft when its score minus the score of the last "
-                          "committed block is at least tau (the target's blocks are then scored too). anchor: minus "
-                          "block 0's score (the target's, scored once). baseline: minus the mean score of the blocks "
-                          "kept so far. The last three remove how much the reward likes the prompt; they need "
-                          "force_first_block and no cascade. relative with tau -0.25 is the evidence-based choice "
-                          "(held-out scenes, docs/routing.md) and what the shipped workflows use; fixed with tau -0.7 "
-                          "is the paper's router and stays this input's default, so saved workflows keep their "
-                          "behaviour."),
+                  tooltip="Adds this weight x the similarity of consecutive frames to the block score (0 = off)."
+                          + _ROUTER_DOCS,
+                  details="The mean cosine similarity of consecutive frames' ImageReward features; similarity "
+                          "favours static video, so use it sparingly."),
+        InputSpec("tau_mode", "COMBO", options=TAU_MODES, default=DEFAULT_TAU_MODE, optional=True,
+                  tooltip="What tau is compared with: relative = the draft's score minus the last kept block's "
+                          "(the held-out benchmark's choice); fixed = the raw score (the paper's)." + _ROUTER_DOCS,
+                  details="accept_rate: per-block threshold = the (1 - accept_rate) quantile of the draft scores "
+                          "seen so far in this video, started from a prior N(0.566, 1.071^2) worth 5 blocks (tau "
+                          "unused). anchor: minus block 0's score. baseline: minus the mean score of the blocks "
+                          "kept so far. relative, anchor and baseline remove how much the reward likes the prompt; "
+                          "they need force_first_block and no cascade. A node added from the menu starts at "
+                          "relative / -0.25; saved workflows keep the values they were saved with."),
         InputSpec("accept_rate", "FLOAT", default=0.73, min=0.01, max=0.99, step=0.01, round=0.01, optional=True,
-                  tooltip="Target share of drafted blocks to keep when tau_mode is accept_rate (0.72 in the "
-                          "reference SDVG server)."),
-        InputSpec("preprocess", "COMBO", options=("pil", "torch"), default="pil", optional=True,
-                  tooltip="pil: score each frame exactly as ImageReward does (8-bit image, PIL bicubic resize, "
-                          "centre crop). torch: faster on-GPU resize of the float frames; scores differ by a few "
-                          "thousandths."),
+                  tooltip="Share of drafted blocks to keep when tau_mode is accept_rate (0.72 in the reference "
+                          "SDVG server)."),
+        InputSpec("preprocess", "COMBO", options=("pil", "torch"), default="pil", optional=True, advanced=True,
+                  tooltip="pil: score frames exactly as ImageReward does; torch: a faster on-GPU resize (scores "
+                          "differ by a few thousandths)."),
     ),
     outputs=(OutputSpec("router", SDVG_ROUTER, "Routing settings plus the loaded reward model."),),
 )
+
+_SAMPLER_DOCS = _docs("sdvg-speculative-sampler")
+_ADVANCED_WINS = " SDVG Advanced Options, when connected, wins over this widget."
+
+#: The expert inputs: widgets of the sampler (kept for saved workflows) and of SDVG Advanced Options.
+ADVANCED_INPUTS = (
+    InputSpec("refine_from_step", "INT", default=0, min=0, max=8, optional=True, advanced=True,
+              tooltip="On a rejected draft the target continues from the drafter's state after this many steps "
+                      "instead of from noise; 0 = off." + _SAMPLER_DOCS,
+              details="Hybrid regeneration; 3 is the reference's best."),
+    InputSpec("cascade", "BOOLEAN", default=False, optional=True, advanced=True,
+              tooltip="Score 4 frames first and decide early when they are clear." + _SAMPLER_DOCS,
+              details="With min aggregation a partial minimum below tau rejects exactly; a partial minimum at least "
+                      "0.5 above tau accepts early (a heuristic: an unscored frame could still be below tau); "
+                      "otherwise all frames are scored. Needs temporal_weight 0 and tau_mode fixed or accept_rate."),
+    InputSpec("random_accept_prob", "FLOAT", default=0.73, min=0.0, max=1.0, step=0.01, round=0.001,
+              optional=True, advanced=True,
+              tooltip="Mode random: the probability of keeping each draft (drawn from the seed)."),
+    InputSpec("preset", "COMBO", options=PRESETS, default="reference", optional=True, advanced=True,
+              tooltip="reference: the paper's setup (both models on Krea's recompute window, 5 calls, any length); "
+                      "native: each model as distilled (drafter up to 81 frames)." + _SAMPLER_DOCS,
+              details="reference: context rebuilt before every block from an anchor frame + the last 2 latent frames, "
+                      "with the 5-call list [1000, 937.5, 833.3, 625, 0]. native: Self-Forcing drafter on its global "
+                      "cache with 4 calls. A loader's explicit context_scheme wins over the preset."),
+    InputSpec("workers", "COMBO", options=WORKER_CHOICES, default="auto", optional=True, advanced=True,
+              tooltip="auto: overlap the target with verification when it sits on another GPU; 1: one step after "
+                      "another; 2: two threads. The output is identical." + _SAMPLER_DOCS,
+              details="With the target on another GPU than the drafter, VAE and reward (the loaders' device "
+                      "inputs), the target regenerates each block while its draft is verified, and decodes overlap "
+                      "the next block. Only the time differs."),
+    InputSpec("replay", "BOOLEAN", default=True, optional=True, advanced=True,
+              tooltip="Reuse the previous run when only the router's tau settings changed (identical output)."
+                      + _SAMPLER_DOCS,
+              details="Every block before the first decision that flips is taken as it was, so moving tau costs only "
+                      "the tail. Kept in CPU RAM (at most SDVG_REPLAY_GB, default 4), released when the models "
+                      "change. Needs a fixed seed."),
+    InputSpec("schedule_every", "INT", default=3, min=0, max=64, optional=True, advanced=True,
+              tooltip="Mode schedule: the target makes block 0 and every k-th block (k = this value), decided "
+                      "before drafting; 0 = only block 0."),
+    InputSpec("schedule_veto", "BOOLEAN", default=False, optional=True, advanced=True,
+              tooltip="Mode schedule: also score each drafted block and let the router send it back to the "
+                      "target. Needs a router."),
+)
+ADVANCED_NAMES = tuple(i.name for i in ADVANCED_INPUTS)
+
+
+def _on_sampler(spec: InputSpec) -> InputSpec:
+    return replace(spec, tooltip=spec.tooltip + _ADVANCED_WINS)
+
 
 SAMPLER = NodeSpec(
     node_id="SDVGSpeculativeSampler",
@@ -219,65 +310,39 @@ SAMPLER = NodeSpec(
                   tooltip="The reward router from SDVG Reward Router. Needed by mode 'sdvg' only; other modes "
                           "never load the reward model."),
         InputSpec("positive", "CONDITIONING",
-                  tooltip="The prompt encoded by Wan2.1's UMT5-XXL: CLIPLoader (type 'wan', umt5_xxl) -> "
-                          "CLIPTextEncode, or SDVG Load Prompt Embeddings. Shape [1, >=512, 4096]."),
+                  tooltip="The prompt encoded by Wan2.1's UMT5-XXL (CLIPLoader type 'wan' -> CLIPTextEncode), or "
+                          "SDVG Load Prompt Embeddings." + _SAMPLER_DOCS,
+                  details="Shape [1, >=512, 4096]."),
         InputSpec("vae", "VAE", tooltip="The Wan2.1 VAE (VAELoader, wan_2.1_vae). Converted once to a streaming "
                                         "decoder and cached."),
         InputSpec("reward_prompt", "STRING", default="", multiline=True,
-                  tooltip="The prompt TEXT for ImageReward (CONDITIONING carries only embeddings): type the same "
-                          "text as the positive prompt, or link SDVG Load Prompt Embeddings' prompt output. "
-                          "Required in mode 'sdvg'."),
+                  tooltip="The prompt TEXT ImageReward scores against (CONDITIONING carries only embeddings): link "
+                          "the same text as the positive prompt. Required in mode 'sdvg'."),
         InputSpec("width", "INT", default=832, min=16, max=2048, step=16, tooltip="Video width in pixels (multiple of 16)."),
         InputSpec("height", "INT", default=480, min=16, max=2048, step=16, tooltip="Video height in pixels (multiple of 16)."),
         InputSpec("length", "INT", default=81, min=9, max=MAX_LENGTH, step=12,
                   tooltip="Frames, 12n - 3 (9, 21, ..., 81): whole blocks of 3 latent frames. More than 81 needs "
                           "recompute_window models."),
         InputSpec("seed", "INT", default=42, min=0, max=MAX_SEED, control_after_generate=True,
-                  tooltip="Noise seed. Block b's noise depends only on (seed, b), so a rejected draft is regenerated "
-                          "by the target from exactly the same noise."),
+                  tooltip="Noise seed: set 'control after generate' to fixed while tuning tau, so a tau change "
+                          "replays instead of making a new video." + _SAMPLER_DOCS,
+                  details="Block b's noise depends only on (seed, b), so a rejected draft is regenerated by the "
+                          "target from exactly the same noise. 'randomize' makes every run a new video and "
+                          "defeats replay."),
         InputSpec("mode", "COMBO", options=MODES, default="sdvg",
-                  tooltip="sdvg: draft, score, keep or regenerate. target_only / draft_only: one model for every "
-                          "block (baselines). first_block_only: the target makes block 0, every later draft is kept. "
-                          "random: keep drafts with probability random_accept_prob (ablation). schedule: the target "
-                          "makes block 0 and every schedule_every-th block, decided before drafting (no reward model, "
-                          "the drafter never runs on those blocks)."),
+                  tooltip="sdvg: draft, score, keep or regenerate; target_only / draft_only: one model for every "
+                          "block (baselines)." + _SAMPLER_DOCS,
+                  details="first_block_only: the target makes block 0, every later draft is kept. random: keep "
+                          "drafts with probability random_accept_prob (ablation). schedule: the target makes block 0 "
+                          "and every schedule_every-th block, decided before drafting (no reward model, the drafter "
+                          "never runs on those blocks)."),
         InputSpec("force_first_block", "BOOLEAN", default=True,
-                  tooltip="Let the target generate block 0 without drafting it (it anchors the whole video). "
-                          "Ignored by draft_only."),
-        InputSpec("refine_from_step", "INT", default=0, min=0, max=8, optional=True,
-                  tooltip="Hybrid regeneration: on a rejected draft the target continues from the drafter's state "
-                          "after this many steps instead of from pure noise (3 is the reference's best). 0 = off "
-                          "(full regeneration)."),
-        InputSpec("cascade", "BOOLEAN", default=False, optional=True,
-                  tooltip="Score 4 evenly spaced frames first. With min aggregation a partial minimum below tau "
-                          "rejects exactly; a partial minimum at least 0.5 above tau accepts early (a heuristic: an "
-                          "unscored frame could still be below tau); otherwise all frames are scored. Needs "
-                          "temporal_weight 0."),
-        InputSpec("random_accept_prob", "FLOAT", default=0.73, min=0.0, max=1.0, step=0.01, round=0.001,
-                  optional=True, tooltip="Acceptance probability of mode 'random' (per block, deterministic in the seed)."),
-        InputSpec("preset", "COMBO", options=PRESETS, default="reference", optional=True,
-                  tooltip="reference: the paper's configuration, both models on Krea's recompute window (context "
-                          "rebuilt before every block from an anchor frame + the last 2 latent frames) with the 5-call "
-                          "list [1000, 937.5, 833.3, 625, 0]; any length. native: each model as distilled (Self-Forcing "
-                          "drafter on its global cache with 4 calls, up to 81 frames). A loader's explicit "
-                          "context_scheme wins over the preset."),
-        InputSpec("workers", "COMBO", options=WORKER_CHOICES, default="auto", optional=True,
-                  tooltip="auto: when the target sits on another GPU than the drafter, VAE and reward (the loaders' "
-                          "device inputs), the target regenerates each block while its draft is verified, and decodes "
-                          "overlap the next block. 1: strictly one step after another. 2: two CPU threads. Outputs are "
-                          "identical in every case; only the time differs."),
-        InputSpec("replay", "BOOLEAN", default=True, optional=True,
-                  tooltip="Reuse the previous run when only the router's tau settings changed: every block before the "
-                          "first decision that flips is taken as it was, so moving tau costs only the tail (identical "
-                          "output to a fresh run). Kept in CPU RAM (at most SDVG_REPLAY_GB, default 4), released "
-                          "when the models change."),
-        InputSpec("schedule_every", "INT", default=3, min=0, max=64, optional=True,
-                  tooltip="Mode 'schedule': the target generates block 0 and blocks k, 2k, ... (k = this value), "
-                          "decided before drafting; every other block is the drafter's, kept unscored. 0 = only "
-                          "block 0 (as first_block_only)."),
-        InputSpec("schedule_veto", "BOOLEAN", default=False, optional=True,
-                  tooltip="Mode 'schedule': also score each drafted block with the router and let it send the block "
-                          "back to the target (e.g. tau_mode relative as a veto). Needs a router."),
+                  tooltip="Let the target make block 0 without drafting it (it anchors the whole video). Ignored "
+                          "by draft_only."),
+        *(_on_sampler(i) for i in ADVANCED_INPUTS),
+        InputSpec("advanced_options", SDVG_OPTIONS, optional=True,
+                  tooltip="Optional SDVG Advanced Options node: when connected, its values replace this node's "
+                          "refine_from_step ... schedule_veto widgets."),
     ),
     outputs=(
         OutputSpec("frames", "IMAGE", "Decoded video frames [T, H, W, 3], 0..1."),
@@ -288,11 +353,22 @@ SAMPLER = NodeSpec(
         OutputSpec("fps", "FLOAT", "Frame rate of Wan2.1 videos (16)."),
         OutputSpec("report", "STRING", "JSON report: settings, per-block decisions and scores, acceptance rates, "
                                        "model calls, timings, estimated speed-up."),
-        OutputSpec("score_plot", "IMAGE", "Per-block draft scores against tau (green = kept, red = regenerated, "
-                                          "grey = not drafted); the shaded band is the free interval: any tau inside "
-                                          "it changes no decision, so the next run replays at once."),
+        OutputSpec("score_plot", "IMAGE", "Per block, the quantity compared with tau (the score, its margin over the "
+                                          "reference, or the random draw) against each block's threshold (green = "
+                                          "kept, red = regenerated, grey = not drafted); the shaded band: tau values "
+                                          "that change no decision, so the next run replays at once."),
     ),
     validated_inputs=("length",),
+)
+
+ADVANCED_OPTIONS = NodeSpec(
+    node_id="SDVGAdvancedOptions",
+    display_name="SDVG Advanced Options",
+    description="Expert settings of the SDVG Speculative Sampler in one optional node: connect its output to the "
+                "sampler's advanced_options input and these values replace the sampler's own widgets of the same "
+                "names.",
+    inputs=tuple(replace(i, optional=False, advanced=False) for i in ADVANCED_INPUTS),
+    outputs=(OutputSpec("options", SDVG_OPTIONS, "The settings, for the sampler's advanced_options input."),),
 )
 
 LOAD_PROMPT_EMBEDDINGS = NodeSpec(
@@ -312,7 +388,8 @@ LOAD_PROMPT_EMBEDDINGS = NodeSpec(
     ),
 )
 
-NODES: tuple[NodeSpec, ...] = (LOAD_DRAFTER, LOAD_TARGET, REWARD_ROUTER, SAMPLER, LOAD_PROMPT_EMBEDDINGS)
+NODES: tuple[NodeSpec, ...] = (LOAD_DRAFTER, LOAD_TARGET, REWARD_ROUTER, SAMPLER, LOAD_PROMPT_EMBEDDINGS,
+                               ADVANCED_OPTIONS)
 BY_ID = {spec.node_id: spec for spec in NODES}
 
 
@@ -350,6 +427,8 @@ def _default_and_range(spec: InputSpec) -> str:
         parts.append("optional")
     if spec.lazy:
         parts.append("lazy")
+    if spec.advanced:
+        parts.append("advanced")
     return "; ".join(parts)
 
 
@@ -358,13 +437,15 @@ def markdown_reference() -> str:
     lines = ["# SDVG node reference", "",
              "Generated from `nodes/schema.py` (`python -m nodes.schema > docs/nodes.md`); every node is in the "
              f"`{CATEGORY}` category. Widget order is part of saved workflows and never changes; new inputs are "
-             "added as optional ones at the end.", ""]
+             "added as optional ones at the end. Inputs marked *advanced* are expert settings: newer frontends fold "
+             "them under the node's advanced toggle, and SDVG Advanced Options sets the sampler's in one place.", ""]
     for spec in NODES:
-        lines += [f"## {spec.display_name} (`{spec.node_id}`)", "", spec.description, "",
-                  "| input | type | default / range | tooltip |", "| --- | --- | --- | --- |"]
+        lines += [f"## {spec.display_name}", "", f"Node id `{spec.node_id}`. {spec.description}", "",
+                  "| input | type | default / range | what it does |", "| --- | --- | --- | --- |"]
         for i in spec.inputs:
-            lines.append(f"| `{i.name}` | {i.type} | {_cell(_default_and_range(i))} | {_cell(i.tooltip)} |")
-        lines += ["", "| output | type | tooltip |", "| --- | --- | --- |"]
+            text = i.tooltip.split(f" Details: {DOCS}")[0] + (" " + i.details if i.details else "")
+            lines.append(f"| `{i.name}` | {i.type} | {_cell(_default_and_range(i))} | {_cell(text)} |")
+        lines += ["", "| output | type | what it holds |", "| --- | --- | --- |"]
         for o in spec.outputs:
             lines.append(f"| `{o.name}` | {o.type} | {_cell(o.tooltip)} |")
         lines.append("")

@@ -340,16 +340,20 @@ def test_combo_options(services):
 
 
 def test_score_plot_places_markers_at_the_scores():
-    """Marker colours at the positions recomputed from the documented layout (plot box 56..624 x 28..324,
-    one column per block, scores and tau spanning the y range with 10% padding)."""
+    """Marker colours at the positions recomputed from the documented layout (plot box ``score_view.BOX``, one
+    column per block, scores and thresholds spanning the y range with 10% padding); tests/test_score_plot.py reads
+    the sides of the threshold in every tau mode."""
+    from sdvg_engine.score_view import BOX
+
     scores = {1: (-0.8, True), 2: (-1.6, False), 3: (-0.2, True)}
     blocks = [{"index": 0, "source": "target", "decision": None}]
     blocks += [{"index": i, "source": "draft" if kept else "target", "decision": {"block_score": v, "accept": kept}}
                for i, (v, kept) in scores.items()]
     tau = -1.0
     plot = logic.score_plot({"settings": {"mode": "sdvg", "tau": tau}, "blocks": blocks})
+    assert plot.shape == (1, 360, 640, 3) and plot.dtype == torch.float32
     pixels = (plot[0] * 255).round().to(torch.int16)
-    left, right, top, bottom = 56, 640 - 16, 28, 360 - 36
+    left, right, top, bottom = BOX
     lo, hi = -1.6, -0.2
     lo, hi = lo - 0.1 * (hi - lo), hi + 0.1 * (hi - lo)
 
@@ -362,7 +366,7 @@ def test_score_plot_places_markers_at_the_scores():
         assert at(x, y) == ([30, 160, 60] if kept else [210, 40, 40]), (i, v)
     assert at(left + 0.5 * (right - left) / 4, bottom - 4) == [150, 150, 150]  # block 0: not scored
     y_tau = bottom - (tau - lo) / (hi - lo) * (bottom - top)
-    assert at((left + right) / 2, y_tau) == [40, 90, 220]  # the threshold line
+    assert at(left + 1.25 * (right - left) / 4, y_tau) == [40, 90, 220]  # block 1's threshold
 
 
 def test_score_plot_edge_cases():
@@ -370,3 +374,227 @@ def test_score_plot_edge_cases():
     assert empty.shape == (1, 360, 640, 3)
     block = {"index": 0, "source": "target", "decision": {"block_score": None, "accept": False}}
     assert logic.score_plot({"settings": {"mode": "sdvg", "tau": "inf"}, "blocks": [block]}).shape == (1, 360, 640, 3)
+
+
+# ------------------------------------------------------------------------------------- ComfyUI versions (compat)
+class _LiveFolderNames:
+    """``folder_paths.folder_names_and_paths`` of the LTS fork (hiddenswitch 0.12.1, ``FolderNames``): an entry is
+    a pair of live views of the mapping's storage, and assigning an entry first drops the old one, then stores what
+    it was given, so views of the dropped entry read empty by then."""
+
+    def __init__(self):
+        self.paths, self.exts = {}, {}
+
+    def __contains__(self, name):
+        return name in self.paths
+
+    def __getitem__(self, name):
+        self.paths.setdefault(name, [])
+        self.exts.setdefault(name, set())
+        return _PathsView(self, name), _ExtensionsView(self, name)
+
+    def __setitem__(self, name, value):
+        paths, extensions = value
+        self.paths.pop(name, None)
+        self.exts.pop(name, None)
+        self.paths[name], self.exts[name] = list(paths), set(extensions)
+
+
+class _PathsView:
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __iter__(self):
+        return iter(list(self.owner.paths.get(self.name, [])))
+
+    def __contains__(self, path):
+        return path in self.owner.paths.get(self.name, [])
+
+    def append(self, path):
+        self.owner.paths.setdefault(self.name, []).append(path)
+
+
+class _ExtensionsView(_PathsView):
+    def __len__(self):
+        return len(self.owner.exts.get(self.name, ()))
+
+    def __iter__(self):
+        return iter(set(self.owner.exts.get(self.name, ())))
+
+    def update(self, extensions):
+        self.owner.exts.setdefault(self.name, set()).update(extensions)
+
+    add = update
+
+
+def _folder_paths_module(mapping, models_dir):
+    """A ``folder_paths`` module around ``mapping`` (a plain dict: ComfyUI 0.3.64; live views: the LTS fork), with
+    0.3.64's ``add_model_folder_path`` (an existing entry's list is appended to; a new key gets no extensions)."""
+    import types
+
+    def add_model_folder_path(name, path, is_default=False):
+        if name in mapping:
+            paths, _ = mapping[name]
+            if path not in paths:
+                paths.append(path)
+        else:
+            mapping[name] = ([path], set())
+
+    return types.SimpleNamespace(models_dir=str(models_dir), folder_names_and_paths=mapping,
+                                 add_model_folder_path=add_model_folder_path)
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["comfyui-0.3.64-dict", "lts-0.12.1-live-views"])
+def test_model_folders_register_on_both_comfyuis(tmp_path, live):
+    from nodes import compat
+
+    mapping = _LiveFolderNames() if live else {}
+    if live:  # an extra_model_paths.yaml entry for one of the folders, as each version stores it
+        mapping["sdvg_reward"][0].append("/extra/reward")
+    else:
+        mapping["sdvg_reward"] = (["/extra/reward"], set())
+    module = _folder_paths_module(mapping, tmp_path)
+    compat.register_folders_in(module)
+    for name, extensions in compat.MODEL_FOLDERS.items():
+        paths, known = mapping[name]
+        expected = (["/extra/reward"] if name == "sdvg_reward" else []) + [str(tmp_path / name)]
+        assert list(paths) == expected, name
+        assert set(known) == set(extensions), name
+    compat.register_folders_in(module)  # twice (a reload): nothing doubles
+    assert list(mapping["sdvg"][0]) == [str(tmp_path / "sdvg")]
+
+
+def _upstream_loader(module) -> tuple[list, list]:
+    """ComfyUI 0.3.64 nodes.load_custom_node: a non-None NODE_CLASS_MAPPINGS is registered and loading stops."""
+    mappings = getattr(module, "NODE_CLASS_MAPPINGS", None)
+    if mappings is not None:
+        return list(mappings), []
+    if hasattr(module, "comfy_entrypoint"):
+        return module.comfy_entrypoint(), []
+    return [], ["Skip ... lack of NODE_CLASS_MAPPINGS or NODES_LIST"]
+
+
+def _fork_loader(module) -> tuple[list, list]:
+    """The LTS fork's vanilla_node_importing: mappings if present, else an error logged; the V3 entry point always."""
+    mappings = getattr(module, "NODE_CLASS_MAPPINGS", None)
+    nodes, errors = (list(mappings), []) if mappings is not None else ([], ["Skip ... lack of NODE_CLASS_MAPPINGS."])
+    if hasattr(module, "comfy_entrypoint"):
+        nodes += module.comfy_entrypoint()
+    return nodes, errors
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["comfyui-0.3.64", "lts-0.12.1"])
+def test_the_pack_exports_what_each_loader_needs(fork):
+    """The root __init__ adds an empty NODE_CLASS_MAPPINGS exactly when the loader also calls comfy_entrypoint: the
+    nodes load on both and the fork logs no error; on upstream that mapping would hide every node."""
+    import types
+
+    from nodes import compat
+
+    def find_spec(name):
+        if name == "comfy.nodes.vanilla_node_importing" and not fork:
+            raise ModuleNotFoundError("No module named 'comfy.nodes'")
+        return object()
+
+    chosen = compat.loader_calls_entrypoint_beside_mappings(find_spec)
+    assert chosen == fork
+    module = types.SimpleNamespace(comfy_entrypoint=lambda: [s.node_id for s in schema.NODES])
+    if chosen:
+        module.NODE_CLASS_MAPPINGS = {}
+    loader = _fork_loader if fork else _upstream_loader
+    assert loader(module) == ([s.node_id for s in schema.NODES], [])
+    # the other choice fails on that loader
+    other = types.SimpleNamespace(comfy_entrypoint=module.comfy_entrypoint)
+    if not chosen:
+        other.NODE_CLASS_MAPPINGS = {}
+    assert loader(other) != ([s.node_id for s in schema.NODES], [])
+
+
+# ----------------------------------------------------------------------------------- bad input (issue 30, nodes)
+@pytest.mark.parametrize("row", ["geometry_string_width", "drafter_fp8", "device_cuda_without_gpu", "device_mps",
+                                 "embedding_index_bool"])
+def test_node_bad_input_is_refused_clearly(row, services):
+    """Each row of issue 30's node matrix: a ValueError (or message) naming the input, the value and the fix,
+    before any model loads."""
+    if row == "geometry_string_width":
+        problem = logic.geometry_problem("48", 32, 21)
+        assert problem == "width must be a whole number, got '48' (str); e.g. width=832"
+        with pytest.raises(ValueError, match=r"width must be a whole number, got '48'"):
+            logic.run_sampler(drafter=None, target=None, router=None, positive=None, vae=None, width="48",
+                              services=services)
+        return
+    if row == "embedding_index_bool":
+        with pytest.raises(ValueError, match=r"index must be a whole number, got True \(bool\); pass the prompt's "
+                                             r"position in the file, 0 for the first"):
+            logic.load_embeddings_node(EMBEDDINGS_FILE, True, services=services)
+        return
+    loads = []
+    real = logic.load_generator
+    logic.load_generator = lambda *a, **k: loads.append(a) or real(*a, **k)
+    try:
+        if row == "drafter_fp8":
+            with pytest.raises(ValueError, match=r"dtype of the drafter must be one of \('bf16', 'fp16', 'fp32'\), "
+                                                 r"got 'fp8'; fp8 is for the target"):
+                logic.load_model_node(DRAFTER_FILE, "fp8", "cpu", "auto", role="drafter", services=services)
+        else:
+            device = "cuda" if row == "device_cuda_without_gpu" else "mps"
+            with pytest.raises(ValueError, match=rf"device must be one of \['auto', 'cpu'\] on this machine, got "
+                                                 rf"'{device}'; pick 'auto'"):
+                logic.load_model_node(TARGET_FILE, "bf16", device, "auto", role="target", services=services)
+    finally:
+        logic.load_generator = real
+    assert loads == []  # refused before any model loads
+
+
+# ---------------------------------------------------------------------------------------- card size, advanced options
+def test_card_choice_follows_the_memory_plan():
+    from sdvg_engine.offload import plan_memory
+
+    assert logic.card_settings("manual", "target") == {}
+    for card in schema.CARDS[1:]:
+        plan = plan_memory(float(card.split()[0]))
+        target, drafter = logic.card_settings(card, "target"), logic.card_settings(card, "drafter")
+        assert target["dtype"] == ("fp8" if plan.fp8_target else "bf16") and drafter["dtype"] == "bf16"
+        assert target["kv_dtype"] == drafter["kv_dtype"] == plan.kv_dtype
+        assert target["offload"] == ("blocks" if plan.offload in ("target", "both") else "none")
+        assert drafter["offload"] == ("blocks" if plan.offload == "both" else "none")
+        assert drafter.get("context_scheme", "auto") == plan.drafter_context and "context_scheme" not in target
+    # the plan's rows, as docs/dev/memory.md states them
+    assert logic.card_settings("24 GB", "target") == {"dtype": "fp8", "offload": "blocks", "kv_dtype": "fp8"}
+    assert logic.card_settings("24 GB", "drafter") == {"dtype": "bf16", "offload": "none", "kv_dtype": "fp8"}
+    assert logic.card_settings("16 GB", "drafter") == {"dtype": "bf16", "offload": "blocks", "kv_dtype": "fp8",
+                                                       "context_scheme": "recompute_window"}
+    assert logic.card_settings("48 GB", "target") == {"dtype": "fp8", "offload": "none", "kv_dtype": "auto"}
+    assert logic.card_settings("80 GB", "target") == {"dtype": "bf16", "offload": "none", "kv_dtype": "auto"}
+    assert logic.card_settings("24 GB", "target", on_cuda=False)["offload"] == "none"  # nothing to stream from RAM
+    with pytest.raises(ValueError, match="card must be one of"):
+        logic.card_settings("12 GB", "target")
+
+
+def test_card_overrides_the_loader_widgets(services):
+    target = logic.load_model_node(TARGET_FILE, "fp32", "cpu", "auto", role="target", services=services, card="24 GB")
+    assert target.dtype == "fp8" and any(isinstance(m, Fp8Linear) for m in target.model.modules())
+    assert target.describe()["kv_dtype"] == "fp8" and "offload" not in target.describe()  # CPU: not streamed
+    drafter = logic.load_model_node(DRAFTER_FILE, "fp32", "cpu", "auto", role="drafter", services=services, card="16 GB")
+    assert (drafter.dtype, drafter.context_scheme) == ("bf16", "recompute_window")
+    manual = logic.load_model_node(DRAFTER_FILE, "fp32", "cpu", "auto", role="drafter", services=services)
+    assert (manual.dtype, manual.context_scheme) == ("fp32", "global_cache")
+
+
+def test_advanced_options_node_wins_over_the_sampler_widgets(stack, services):
+    names = schema.ADVANCED_NAMES
+    values = {i.name: i.default for i in schema.ADVANCED_OPTIONS.inputs}
+    options = logic.run_node("SDVGAdvancedOptions", services, **{**values, "random_accept_prob": 0.0,
+                                                                  "replay": False}).outputs[0]
+    assert set(options) == set(names) and options["random_accept_prob"] == 0.0
+    out = sample(stack, None, services, mode="random", random_accept_prob=1.0, advanced_options=options, length=33)
+    report = json.loads(out.report)
+    assert report["settings"]["random_accept_prob"] == 0.0 and report["decisions"] == ["target"] * 3
+    without = sample(stack, None, services, mode="random", random_accept_prob=1.0, length=33, replay=False)
+    assert json.loads(without.report)["decisions"] == ["target", "draft", "draft"]
+    # the lazy router check sees the node's schedule_veto
+    veto = {**values, "schedule_veto": True}
+    assert logic.needed_inputs("schedule", 1, 1, None, logic.effective_schedule_veto(False, veto)) == ["router"]
+    assert logic.needed_inputs("schedule", 1, 1, None, logic.effective_schedule_veto(False, None)) == []
+    with pytest.raises(ValueError, match="advanced_options: expected the output of SDVG Advanced Options"):
+        sample(stack, None, services, mode="draft_only", advanced_options={"replay": True})
