@@ -9,10 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from ..router import REFERENCE_MODES
 from .common import UsageError
+
+# torch, the router and the loaders are imported inside the checks that need them: building the parser and
+# ``--help`` import nothing heavy (tests/test_cli_help.py).
+REFERENCE_MODES = ("relative", "anchor", "baseline")  # sdvg_engine.router.REFERENCE_MODES (checked equal by a test)
 
 
 # ---- argument types and the validation table ---------------------------------------------------------------
@@ -109,11 +110,44 @@ def validate_args(args: argparse.Namespace) -> None:
         if problem:
             value = getattr(args, attr, None)
             shown = f" {value}" if value is not None and not isinstance(value, bool) else ""
-            raise UsageError(f"{row.flag}{shown}: {problem}")
+            flag = getattr(args, "_flag_names", {}).get(attr, row.flag)  # as typed: --frames or --length
+            raise UsageError(f"{flag}{shown}: {problem}")
+
+
+def options_of(args):
+    """The run's :class:`~sdvg_engine.options.SDVGOptions` as far as the command line sets them: what the mode needs
+    (``uses_drafter``, ``uses_target``, ``scores_drafts``) is asked of it, never of the mode's name."""
+    from ..options import SDVGOptions
+
+    return SDVGOptions(mode=getattr(args, "mode", "sdvg"), schedule_veto=bool(getattr(args, "schedule_veto", False)))
 
 
 def _flag(args, name):
     return getattr(args, name.lstrip("-").replace("-", "_"), None)
+
+
+# ---- the models a run needs: only those its mode uses are required (and loaded) ---------------------------------
+@arg_check("--drafter")
+def _check_drafter_given(args):
+    if args.drafter is None and (args.command == "bench" or options_of(args).uses_drafter):
+        return (f"missing: --mode {args.mode} drafts blocks; give the drafter checkpoint (e.g. --drafter "
+                "self_forcing_dmd.pt)" if args.command == "generate" else
+                "missing: give the drafter checkpoint (e.g. --drafter self_forcing_dmd.pt)")
+    return None
+
+
+@arg_check("--target")
+def _check_target_given(args):
+    if args.target is None and (args.command == "bench" or options_of(args).uses_target):
+        return (f"missing: --mode {args.mode} runs the target; give the target checkpoint (e.g. --target "
+                "krea-realtime-video-14b.safetensors), or use --mode draft_only" if args.command == "generate" else
+                "missing: give the target checkpoint (e.g. --target krea-realtime-video-14b.safetensors)")
+    return None
+
+
+@arg_check("--reward", "bench")
+def _check_bench_reward_given(args):
+    return None if args.reward else "missing: sdvg bench scores every draft; give the ImageReward model (ImageReward.pt)"
 
 
 @arg_check("--width")
@@ -147,7 +181,8 @@ def _check_frames(args):
     except ValueError as e:
         return str(e).replace(f"num_frames={args.frames} ", "")
     capacity = args.max_frames
-    for role in ("drafter", "target"):
+    options = options_of(args)
+    for role in [r for r, used in (("drafter", options.uses_drafter), ("target", options.uses_target)) if used]:
         scheme = getattr(args, f"{role}_context")
         if scheme == "auto":
             scheme = _auto_context_scheme(args, role)
@@ -217,9 +252,7 @@ def _check_tau(args):
 
 def _scores_drafts(args) -> bool:
     """Whether the run scores drafts with the reward (--mode sdvg, or --mode schedule with --schedule-veto)."""
-    from ..pipeline import SDVGOptions
-
-    return SDVGOptions(mode=args.mode, schedule_veto=bool(getattr(args, "schedule_veto", False))).scores_drafts
+    return options_of(args).scores_drafts
 
 
 @arg_check("--schedule-every", "generate")
@@ -313,6 +346,8 @@ arg_check("--device", "encode-prompts")(lambda args: _device_problem(args.device
 def _device_problem(name: str | None) -> str | None:
     if name is None:
         return None
+    import torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -388,7 +423,7 @@ def _check_accept_rate(args):
 
 @arg_check("--modes", "bench")
 def _check_modes(args):
-    from ..pipeline import MODES
+    from ..options import MODES
 
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]

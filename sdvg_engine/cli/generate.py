@@ -5,8 +5,7 @@ from __future__ import annotations
 import signal
 import time
 
-
-from .arg_checks import _scores_drafts, parse_taus
+from .arg_checks import options_of, parse_taus
 from .common import UsageError, _print_err
 from .outputs import _finish_outputs, plan_generate_outputs
 from .prompts import _contexts, plan_prompts
@@ -14,7 +13,7 @@ from .prompts import _contexts, plan_prompts
 
 def generator_kwargs(args, role: str) -> dict:
     """Keyword arguments of :func:`sdvg_engine.loaders.load_generator` for ``role`` (``drafter``/``target``);
-    one place to map new model flags."""
+    one place to map new model flags (:func:`build_pipeline` splits them into loading and building)."""
     common = dict(name=role, dtype=args.dtype, max_frames=args.max_frames, fuse_qkv=args.fuse_qkv, compile=args.compile,
                   preset=args.preset)
     if role == "drafter":
@@ -30,49 +29,85 @@ def router_kwargs(args) -> dict:
                 tau_mode=args.tau_mode, accept_rate=args.accept_rate, preprocess=args.reward_preprocess)
 
 
+#: load_generator's keywords that configure the generator (build_pipeline) rather than the loaded model (load_dit)
+_BUILD_KEYS = ("preset", "context_scheme", "schedule", "max_frames", "attention_bias")
+
+
 def build_pipeline(args):
-    from ..loaders import load_generator, parse_dtype
-    from ..pipeline import SpeculativePipeline
-    from ..router import RewardRouter
+    """The run's pipeline through the project's one builder (:func:`sdvg_engine.loaders.build_pipeline`), loading
+    only the models the mode uses (:func:`options_of`): ``draft_only`` never opens ``--target``, ``target_only``
+    never opens ``--drafter``, and the reward model is loaded only when drafts are scored. A model the mode never
+    runs is stood in for by the other one's weights (the pipeline is built from two; the stand-in makes no call and
+    holds no cache, and the report names no settings for it: :func:`unused_model_settings`)."""
+    from ..loaders import build_pipeline as build, load_dit, parse_dtype
+    from ..offload import resolve_memory_args
     from ..vae import load_wan_vae
 
-    if _scores_drafts(args) and not args.reward:
+    options = options_of(args)
+    if options.scores_drafts and not args.reward:
         raise UsageError(f"--reward: mode {args.mode!r}{' with --schedule-veto' if args.mode == 'schedule' else ''} "
                          "needs --reward (an ImageReward.pt file)")
-    from ..offload import resolve_memory_args
-
     offload, kv_dtype = resolve_memory_args(args)  # --vram-gb / --offload / --kv-dtype (docs/memory.md)
     aux = args.aux_device or args.device
     vae = load_wan_vae(args.vae, device=aux, dtype=parse_dtype(args.vae_dtype))
-    drafter = load_generator(args.drafter, **generator_kwargs(args, "drafter"),
-                             offload="blocks" if offload == "both" else "none", kv_dtype=kv_dtype)
-    target = load_generator(args.target, **generator_kwargs(args, "target"),
-                            offload="none" if offload == "none" else "blocks", kv_dtype=kv_dtype)
+    loaded = {}
+    for role, used, streamed in (("drafter", options.uses_drafter, offload == "both"),
+                                 ("target", options.uses_target, offload != "none")):
+        if used:
+            kw = {k: v for k, v in generator_kwargs(args, role).items() if k not in _BUILD_KEYS}
+            loaded[role] = load_dit(getattr(args, role), **kw, offload="blocks" if streamed else "none",
+                                    kv_dtype=kv_dtype)
     router = None
-    if args.reward:
+    if options.scores_drafts:
         from ..reward import load_image_reward
+        from ..router import RewardRouter
 
-        scorer = load_image_reward(args.reward, device=aux)
-        router = RewardRouter(scorer, **router_kwargs(args))
-    pipe = SpeculativePipeline(drafter, target, vae, router)
-    pipe.preset = args.preset
-    pipe.workers = args.workers if args.workers == "auto" else int(args.workers)
-    return pipe
+        router = RewardRouter(load_image_reward(args.reward, device=aux), **router_kwargs(args))
+    drafter = loaded.get("drafter", loaded.get("target"))
+    target = loaded.get("target", drafter)
+    return build(drafter, target, vae, router, preset=args.preset, drafter_context=args.drafter_context,
+                 target_context=args.target_context, drafter_schedule=args.drafter_schedule,
+                 target_schedule=args.target_schedule, max_frames=args.max_frames,
+                 target_attention_bias=args.attention_bias if "target" in loaded else None,
+                 workers=args.workers if args.workers == "auto" else int(args.workers))
 
 
-def _progress(num_blocks: int, tau: float | None):
+def unused_model_settings(report: dict, options) -> None:
+    """A model the mode never ran (``draft_only``'s target, ``target_only``'s drafter) was not loaded: its settings
+    in the report are ``None`` rather than those of the stand-in."""
+    settings = report.get("settings", {})
+    for role, used in (("drafter", options.uses_drafter), ("target", options.uses_target)):
+        if not used:
+            settings[f"{role}_schedule"] = settings[f"{role}_context"] = None
+            settings.get("settings_source", {}).pop(role, None)
+
+
+def block_verdict(record) -> str:
+    """What the progress line says of one block: the quantity actually compared with the threshold
+    (:meth:`sdvg_engine.router.RouteDecision.comparison`), the threshold and the decision."""
+    d = record.decision
+    if d is None:
+        return "target" if record.source == "target" else "draft kept"
+    kept = "accepted" if d.accept else "rejected"
+    c = d.comparison()
+    if c.threshold is None:
+        return f"{c.quantity} {c.value:+.3f} -> {kept}"
+    if c.mode == "random":
+        return f"random draw u {c.value:.3f} vs p {c.threshold:.3f} (keep if u < p) -> {kept}"
+    if c.mode == "accept_rate":
+        return f"draft score {c.value:+.3f} vs running-quantile threshold {c.threshold:+.3f} -> {kept}"
+    if c.mode == "fixed":
+        return f"draft score {c.value:+.3f} vs tau {c.threshold:+.3f} -> {kept}"
+    return f"margin {c.value:+.3f} ({c.quantity}) vs tau {c.threshold:+.3f} -> {kept}"
+
+
+def _progress(num_blocks: int):
     started = time.perf_counter()
 
     def on_block(record):
-        d = record.decision
-        if d is None:
-            verdict = "target" if record.source == "target" else "draft kept"
-        elif d.frames_scored == 0:
-            verdict = f"random draw -> {'accepted' if d.accept else 'rejected'}"
-        else:
-            verdict = f"draft score {d.block_score:+.3f} vs tau {tau:+.2f} -> {'accepted' if d.accept else 'rejected'}"
         bar = "#" * (record.index + 1) + "." * (num_blocks - record.index - 1)
-        _print_err(f"[{bar}] block {record.index + 1}/{num_blocks}: {verdict} ({time.perf_counter() - started:.1f} s)")
+        _print_err(f"[{bar}] block {record.index + 1}/{num_blocks}: {block_verdict(record)} "
+                   f"({time.perf_counter() - started:.1f} s)")
 
     return on_block
 
@@ -131,15 +166,17 @@ def cmd_generate(args) -> int:
             try:
                 result = pipe.generate(context, prompt=prompt, num_frames=args.frames, width=args.width, height=args.height,
                                        seed=args.seed + i, options=options, cancel=token,
-                                       on_block=_progress(num_blocks, tau if _scores_drafts(args) else None))
+                                       on_block=_progress(num_blocks))
             except GenerationCancelled as err:
                 if reports:  # the finished videos form a complete set with their report (never a mix)
                     _finish_outputs(args, out, files[: len(reports)], report_path, reports)
                 _print_err(f"sdvg generate: {err}; {len(reports)} finished video(s) kept in {out}")
                 return 130
             except NonFiniteOutputError as err:  # name the files behind "the drafter's"/"the target's" output
-                raise NonFiniteOutputError(f"video {i + 1} ({prompt[:40]!r}): {err} Files: drafter {args.drafter}, "
-                                           f"target {args.target}.") from err
+                files_used = [f"{role} {getattr(args, role)}" for role, used in (
+                    ("drafter", options.uses_drafter), ("target", options.uses_target)) if used]
+                raise NonFiniteOutputError(f"video {i + 1} ({prompt[:40]!r}): {err} Files: {', '.join(files_used)}.") from err
+            unused_model_settings(result.report, options)
             replay = result.report.get("replay", {})
             estimated_independent += time.perf_counter() - started + replay.get("seconds_saved", 0.0)
             if replay.get("replayed_blocks"):

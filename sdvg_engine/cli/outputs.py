@@ -4,10 +4,12 @@ run wrote (so that ``--overwrite`` removes an earlier run's files and nothing el
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
 from .common import UsageError
+
 
 # ---- output paths ------------------------------------------------------------------------------------------
 def _check_writable_folder(folder: Path, flag: str, shown) -> None:
@@ -45,11 +47,36 @@ def check_output_file(path: Path, flag: str, *, overwrite: bool) -> None:
 MANIFEST = ".sdvg-outputs.json"
 
 
+def check_manifest(out: Path) -> None:
+    """The manifest's name in ``out`` is free or a regular file: a symbolic link there is refused, never followed (a
+    link to a user's JSON with a ``files`` list would make ``--overwrite`` delete what it lists), and so is a folder
+    or a device (the manifest could not be written after the videos)."""
+    path = out / MANIFEST
+    if path.is_symlink():
+        raise UsageError(f"--out {out}: {MANIFEST} is a symbolic link (to {os.readlink(path)}); sdvg records the files "
+                         "it wrote in that file and never follows a link there: remove the link or choose another "
+                         "--out folder")
+    if path.is_dir():
+        raise UsageError(f"--out {out}: {MANIFEST} is a folder; sdvg records the files it wrote in a file of that "
+                         "name: move the folder away or choose another --out folder")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"--out {out}: {MANIFEST} exists and is not a regular file (a device, FIFO or socket); it is "
+                         "never replaced: choose another --out folder")
+
+
+def _read_manifest(path: Path) -> str:
+    """The manifest's text, refusing (OSError) to follow a symbolic link even if one appeared after the checks."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, encoding="utf-8") as f:
+        return f.read()
+
+
 def written_by_earlier_run(out: Path) -> list[str]:
-    """The names an earlier run in ``out`` recorded in its manifest that are still there (none if unreadable)."""
+    """The names an earlier run in ``out`` recorded in its manifest that are still there (none if unreadable or not
+    a regular file: a symbolic link is never followed)."""
     path = out / MANIFEST
     try:
-        names = json.loads(path.read_text()).get("files", []) if path.is_file() else []
+        names = json.loads(_read_manifest(path)).get("files", []) if path.is_file() and not path.is_symlink() else []
     except (OSError, ValueError, AttributeError):
         return []  # an unreadable manifest: delete nothing
     return [n for n in names if isinstance(n, str) and n == Path(n).name and n not in (".", "..", MANIFEST)
@@ -71,9 +98,16 @@ def plan_generate_outputs(args, count: int, suffix: str) -> tuple[Path, list[tup
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder; choose a folder name")
     _check_writable_folder(out, "--out", out)
+    check_manifest(out)
     files = [(out / f"video_{i:03d}{suffix}", out / f"mask_{i:03d}.png") for i in range(count)]
     report = Path(args.report).expanduser() if args.report else out / "report.json"
     if args.report:
+        manifest = out / MANIFEST
+        if report.resolve() == manifest.resolve() or (report.exists() and manifest.exists()
+                                                     and os.path.samefile(report, manifest)):
+            # The manifest is written after the report: the report would be lost.
+            raise UsageError(f"--report {report}: is {manifest}, the manifest where sdvg records the files it wrote "
+                             "in --out; choose another report name (e.g. report.json)")
         check_output_file(report, "--report", overwrite=args.overwrite)
         if report.resolve() in {p.resolve() for pair in files for p in pair}:
             raise UsageError(f"--report {report}: is also a video/mask output; choose another name")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from .arg_checks import options_of
 from .common import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
 
 def _read_prompts(args) -> list[str]:
     prompts = []
@@ -33,7 +37,8 @@ def plan_prompts(args) -> tuple[list[str], list[tuple[str, torch.Tensor]] | None
     """The prompts of the run, read without loading a model: ``(prompts, pairs from --context-file or None)``.
 
     Refuses (before anything loads) an empty prompt list, prompts missing from the context file, a
-    text-encoder-less run, and an empty reward prompt in ``sdvg`` mode (it would score against nothing).
+    text-encoder-less run, and an empty prompt when drafts are scored (``sdvg``, ``schedule`` with its veto): it
+    would score against nothing.
     """
     from ..text_encoder import load_prompt_embeddings
 
@@ -56,11 +61,13 @@ def plan_prompts(args) -> tuple[list[str], list[tuple[str, torch.Tensor]] | None
         if not args.text_encoder:
             raise UsageError("--text-encoder: prompts need a text encoder (with --tokenizer for a single file), "
                              "or give --context-file")
-    if getattr(args, "mode", "sdvg") == "sdvg":
+    if options_of(args).scores_drafts:
         empty = [i for i, p in enumerate(prompts) if not p.strip()]
         if empty:
             where = f"--context-file {args.context_file}" if args.context_file else "--prompt"
-            raise UsageError(f"{where}: prompt {empty[0]} is empty; mode 'sdvg' scores drafts against the prompt "
+            mode = getattr(args, "mode", "sdvg")
+            how = f"--mode {mode}" + (" with --schedule-veto" if mode == "schedule" else "")
+            raise UsageError(f"{where}: prompt {empty[0]} is empty; {how} scores drafts against the prompt "
                              "(ImageReward), so give a non-empty prompt or use another --mode")
     return prompts, pairs
 
