@@ -41,3 +41,23 @@ COMFYUI_PATH="$COMFYUI_PATH" COMFYUI_PYTHON="$ENV/bin/python" SDVG_E2E_UI=1 SDVG
   SDVG_E2E_SCREENSHOTS="$ROOT/.e2e/screenshots" \
   "$ENV/bin/python" -m pytest -q -s -p no:cacheprovider --basetemp=.e2e/run tests/test_comfyui_e2e.py "$@"
 echo "real-ComfyUI check: $(( $(date +%s) - started )) s; screenshots in .e2e/screenshots/"
+
+# The UI check again in the current frontend (comfyui-frontend-package from PyPI, served by the same server with
+# --front-end-root): SDVG_E2E_FRONTEND_VERSION picks it, SDVG_E2E_FRONTEND_ROOT names an unpacked static/ folder
+# instead, SDVG_E2E_FRONTEND_VERSION=none skips it.
+FE_VERSION=${SDVG_E2E_FRONTEND_VERSION:-1.58.1}
+if [ "$FE_VERSION" != none ]; then
+  FE_ROOT=${SDVG_E2E_FRONTEND_ROOT:-$ROOT/.e2e/fe/$FE_VERSION/comfyui_frontend_package/static}
+  if [ ! -f "$FE_ROOT/index.html" ]; then
+    "$ENV/bin/pip" download -q --no-deps "comfyui-frontend-package==$FE_VERSION" -d "$ROOT/.e2e/fe"
+    "$ENV/bin/python" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
+      "$ROOT/.e2e/fe/comfyui_frontend_package-$FE_VERSION-py3-none-any.whl" "$ROOT/.e2e/fe/$FE_VERSION"
+  fi
+  started=$(date +%s)
+  rm -rf .e2e/run-fe
+  COMFYUI_PATH="$COMFYUI_PATH" COMFYUI_PYTHON="$ENV/bin/python" SDVG_E2E_UI=1 SDVG_CHROMIUM="$CHROMIUM" \
+    SDVG_E2E_FRONTEND_ROOT="$FE_ROOT" SDVG_E2E_SCREENSHOTS="$ROOT/.e2e/screenshots/frontend-$FE_VERSION" \
+    "$ENV/bin/python" -m pytest -q -s -p no:cacheprovider --basetemp=.e2e/run-fe tests/test_comfyui_e2e.py \
+    -k test_ui_workflows_load_in_the_real_frontend "$@"
+  echo "UI check in frontend $FE_VERSION: $(( $(date +%s) - started )) s; screenshots in .e2e/screenshots/frontend-$FE_VERSION/"
+fi

@@ -65,6 +65,8 @@ class Server:
                "--output-directory", str(self.output), "--temp-directory", str(self.root / "temp"),
                "--user-directory", str(self.root / "user"), "--database-url", "sqlite:///:memory:",
                "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK]
+        if os.environ.get("SDVG_E2E_FRONTEND_ROOT"):  # another frontend, e.g. comfyui-frontend-package 1.58.1's static/
+            cmd += ["--front-end-root", os.environ["SDVG_E2E_FRONTEND_ROOT"]]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=COMFYUI_PATH, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -314,7 +316,8 @@ def test_interrupt_stops_the_sampler(server):
     assert again["status"]["status_str"] == "success"
 
 
-@pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_target_only", "sdvg_text_to_video_draft_only"])
+@pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_16gb", "sdvg_text_to_video_48gb",
+                                  "sdvg_compare_vs_target"])
 def test_text_encoder_workflows_validate(server, name):
     """Accepted by the server's validation (``queue`` asserts no node errors). The text encoder file is a dummy:
     ComfyUI 0.3.64 then builds a default 768-wide CLIP from it, and the sampler must reject that conditioning
@@ -336,17 +339,18 @@ def test_offload_on_a_cpu_server_is_refused_by_the_loader(server):
     next run (offload none, fp8 KV cache) works. (The streaming itself is tested on the node logic:
     tests/test_offload.py.)"""
     prompt = api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=8)
-    prompt[node_id(prompt, "SDVGLoadTarget")]["inputs"]["offload"] = "blocks"
+    prompt[node_id(prompt, "SDVGLoadTarget")]["inputs"].update(offload="blocks", card="manual")
     entry = server.wait(server.queue(prompt))
     errors = messages(entry, "execution_error")
     assert entry["status"]["status_str"] == "error" and errors and errors[0]["node_type"] == "SDVGLoadTarget"
     assert "streams the target's transformer blocks from CPU RAM to a CUDA GPU" in errors[0]["exception_message"]
-    # the next run works; the fp8 KV cache runs on the CPU too
+    # the next run works: the shipped card (24 GB) on a CPU server streams nothing; fp8 weights and KV cache run there
     again = api_workflow("sdvg_prompt_embeddings", mode="target_only", seed=8)
-    again[node_id(again, "SDVGLoadTarget")]["inputs"]["kv_dtype"] = "fp8"
+    assert again[node_id(again, "SDVGLoadTarget")]["inputs"]["card"] == "24 GB"
     entry = server.wait(server.queue(again))
     report = _check_outputs(server, again, entry, "target_only")
     assert report["models"]["target"]["kv_dtype"] == "fp8" and "offload" not in report["models"]["target"]
+    assert report["models"]["target"]["dtype"] == "fp8"
 
 
 def test_changing_only_tau_replays_the_unchanged_blocks(server):

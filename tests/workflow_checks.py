@@ -53,6 +53,8 @@ CORE = {s.node_id: s for s in (
 )}
 
 SPECS: dict[str, NodeSpec] = {**CORE, **schema.BY_ID}
+#: Nodes of the frontend alone (no server class, never in an API prompt): the shipped workflows' notes.
+FRONTEND_ONLY = ("Note", "MarkdownNote")
 
 
 def spec_of(class_type: str) -> NodeSpec:
@@ -132,6 +134,10 @@ def check_ui_workflow(wf: dict) -> list[str]:
 
     for node in wf["nodes"]:
         where = f"node {node['id']} ({node['type']})"
+        if node["type"] in FRONTEND_ONLY:
+            if node.get("inputs") or node.get("outputs") or len(node.get("widgets_values") or []) != 1:
+                errors.append(f"{where}: a note has one text widget and no sockets")
+            continue
         try:
             spec = spec_of(node["type"])
         except AssertionError as e:
@@ -226,6 +232,14 @@ def check_ui_workflow(wf: dict) -> list[str]:
             errors.append(f"link {lid}: the source output does not list it")
     if not any(spec_of(n["type"]).is_output_node for n in wf["nodes"] if n["type"] in SPECS):
         errors.append("no output node: ComfyUI would refuse to run it")
+    for node in wf["nodes"]:  # ComfyUI templates' model list: what the missing-models dialog offers to download
+        for entry in (node.get("properties") or {}).get("models", []):
+            if set(entry) != {"name", "url", "directory"} or not entry["url"].startswith("https://huggingface.co/") \
+                    or not entry["url"].endswith("/" + entry["name"]):
+                errors.append(f"node {node['id']} ({node['type']}): bad properties.models entry {entry}")
+            elif entry["name"] not in (node.get("widgets_values") or []):
+                errors.append(f"node {node['id']} ({node['type']}): properties.models names {entry['name']!r}, "
+                              "which the node does not load")
     return errors
 
 
@@ -292,6 +306,8 @@ def ui_to_api(wf: dict) -> dict:
     links = {l[0]: l for l in wf["links"]}
     prompt = {}
     for node in wf["nodes"]:
+        if node["type"] in FRONTEND_ONLY:
+            continue
         spec = spec_of(node["type"])
         values, k, inputs = list(node.get("widgets_values") or []), 0, {}
         for w in _present_widgets(spec.widgets, len(values)) or spec.widgets:
