@@ -26,8 +26,24 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
         span = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in {low}..{high}")
-        raise ValueError(f"{name} must be {span}, got {value}" + (f"; {fix}" if fix else ""))
+        raise ValueError(f"{name} must be a whole number {span}, got {value}" + (f"; {fix}" if fix else ""))
     return value
+
+
+def check_optional_int(name: str, value, *, low: int | None = None, high: int | None = None, fix: str = "") -> int | None:
+    """``None`` or :func:`check_int`."""
+    return None if value is None else check_int(name, value, low=low, high=high, fix=fix)
+
+
+#: Seeds are what ``torch.Generator.manual_seed`` takes without wrapping: 0 .. 2**64 - 1.
+SEED_MAX = 2**64 - 1
+
+
+def check_seed(name: str, value) -> int:
+    """A seed: a whole number in ``0 .. 2**64 - 1`` (torch's generator range; larger seeds would wrap or fail deep
+    inside torch, and a negative one maps onto a large one)."""
+    return check_int(name, value, low=0, high=SEED_MAX,
+                     fix=f"pass a whole number from 0 to {SEED_MAX} (2**64 - 1), e.g. {name}=0")
 
 
 def check_number(name: str, value, *, low: float | None = None, high: float | None = None, fix: str = "",
@@ -40,15 +56,16 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
     if finite and not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}" + (f"; {fix}" if fix else ""))
     if (low is not None and value < low) or (high is not None and value > high):
-        span = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
+        span = f">= {low:g}" if high is None else (f"<= {high:g}" if low is None else f"in [{low:g}, {high:g}]")
         raise ValueError(f"{name} must be {span}, got {value}" + (f"; {fix}" if fix else ""))
     return value
 
 
-def check_bool(name: str, value) -> bool:
-    """``True`` or ``False`` (not a string such as ``'no'``, which Python would read as true)."""
+def check_bool(name: str, value, *, fix: str = "") -> bool:
+    """``True`` or ``False`` (not a string such as ``'no'``, which Python would read as true, nor 0/1)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {_shown(value)} ({type(value).__name__})")
+        raise ValueError(f"{name} must be True or False, got {_shown(value)} ({type(value).__name__})"
+                         + (f"; {fix}" if fix else f"; pass {name}=True or {name}=False"))
     return value
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .checks import check_bool, check_choice, check_int, check_number, check_optional_int
+
 if TYPE_CHECKING:
     from .router import RewardRouter
 
@@ -65,6 +67,35 @@ class SDVGOptions:
     schedule_every: int = 3
     schedule_veto: bool = False
 
+    def __post_init__(self) -> None:
+        # Types and ranges are checked here, once, when the options are made (``dataclasses.replace`` makes them
+        # again): a string, a float where a whole number is due, ``True`` as a number or ``'no'`` as a switch is
+        # refused with the field's name instead of failing (or, worse, passing) deep inside a run. Values are stored
+        # normalised (NumPy numbers become Python ones, so the report stays JSON). What needs the router or the
+        # drafter's schedule (refine_from_step's upper bound) is checked by :meth:`validate` and the pipeline.
+        self.mode = check_choice("mode", self.mode, MODES)
+        self.force_first_block = check_bool(
+            "force_first_block", self.force_first_block,
+            fix="True = block 0 by the target (the default), False = the drafter may make block 0 too")
+        self.random_accept_prob = check_number(
+            "random_accept_prob", self.random_accept_prob, low=0.0, high=1.0,
+            fix="pass the share of blocks random mode gives the drafter as a number, e.g. random_accept_prob=0.73")
+        self.refine_from_step = check_optional_int(
+            "refine_from_step", self.refine_from_step,
+            fix="pass the drafter step the target continues from as a whole number (3 = the reference's best), "
+                "or None for full regeneration")
+        self.cascade = check_bool("cascade", self.cascade)
+        self.cascade_frames = check_int(
+            "cascade_frames", self.cascade_frames, low=1,
+            fix="pass how many frames the cascade scores first, e.g. cascade_frames=4")
+        self.cascade_margin = check_number(
+            "cascade_margin", self.cascade_margin, low=0.0,
+            fix="pass a margin >= 0 above tau for an early accept, e.g. cascade_margin=0.5")
+        self.schedule_every = check_int(
+            "schedule_every", self.schedule_every, low=0,
+            fix="pass k to give the target every k-th block, e.g. schedule_every=3 (0 = only block 0 by the target)")
+        self.schedule_veto = check_bool("schedule_veto", self.schedule_veto)
+
     # ---- what the mode needs (the one home of these rules) ------------------------------------------
     @property
     def scores_drafts(self) -> bool:
@@ -106,27 +137,19 @@ class SDVGOptions:
         return self.mode == "target_only"
 
     def validate(self, router: RewardRouter | None) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        """What depends on the router (its types and ranges are checked when the options are made). The field
+        checks run again too, in case a field was assigned after construction."""
+        self.__post_init__()
         if self.mode == "sdvg" and router is None:
             raise ValueError("mode 'sdvg' needs a reward router (ImageReward); use another mode without one")
-        if not isinstance(self.schedule_veto, bool):
-            raise ValueError(f"schedule_veto must be True or False, got {self.schedule_veto!r}")
         if self.scores_drafts and router is None:
             raise ValueError("schedule_veto scores each drafted block with the reward router (ImageReward), and there "
                              "is none; load a reward model or set schedule_veto=False")
-        if isinstance(self.schedule_every, bool) or not isinstance(self.schedule_every, int) or self.schedule_every < 0:
-            raise ValueError(f"schedule_every must be a whole number >= 0 (0 = only block 0 by the target), "
-                             f"got {self.schedule_every!r}")
-        if not 0.0 <= self.random_accept_prob <= 1.0:
-            raise ValueError(f"random_accept_prob must be in [0, 1], got {self.random_accept_prob}")
         if self.cascade and self.scores_drafts:
             if router.aggregation != "min":
                 raise ValueError("cascade scoring is exact only with 'min' aggregation; set aggregation='min' or cascade=False")
             if router.temporal_weight != 0.0:
                 raise ValueError("cascade scoring does not combine with a temporal weight; set one of them off")
-            if self.cascade_frames < 1 or self.cascade_margin < 0:
-                raise ValueError("cascade_frames must be >= 1 and cascade_margin >= 0")
         if self.scores_drafts and router.uses_reference:
             if not self.force_first_block:
                 raise ValueError(f"tau_mode {router.tau_mode!r} compares each draft with the blocks committed before "

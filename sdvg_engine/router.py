@@ -77,6 +77,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .checks import check_choice, check_number, check_seed
 from .reward import CROP_MODES, PREPROCESS_MODES, FrameScores, ImageRewardScorer, PromptFeatures
 
 __all__ = [
@@ -357,19 +358,15 @@ def temporal_consistency(
 
 
 def _number(name: str, value) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    # Any real number, infinities and NaN included (each caller then says which it refuses and why); never a
+    # string ('0.5' used to pass through float()) or a bool.
+    return check_number(name, value, finite=False)
 
 
 def _check_tau(tau, name: str = "tau") -> float:
-    try:
-        tau = float(tau)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number (±inf allowed), got {tau!r}") from None
+    tau = check_number(name, tau, finite=False,
+                       fix="pass a number, e.g. tau=-0.25 (relative) or tau=-0.7 (fixed); -inf keeps every draft, "
+                           "+inf rejects every draft")
     if math.isnan(tau):
         raise ValueError(f"{name} must not be NaN (Python and CLI: -inf keeps every draft, +inf rejects every draft; ComfyUI refuses "
                          "infinities, so there set the sampler's mode to first_block_only or target_only instead)")
@@ -412,24 +409,17 @@ class RewardRouter:
         prior_count: float = 5.0,
         preprocess: str = "pil",
     ):
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if crop not in CROP_MODES:
-            raise ValueError(f"crop must be one of {CROP_MODES}, got {crop!r}")
+        check_choice("aggregation", aggregation, AGGREGATIONS)
+        check_choice("crop", crop, CROP_MODES)
         if preprocess not in PREPROCESS_MODES:
             raise ValueError(
                 f"preprocess must be one of {PREPROCESS_MODES}, got {preprocess!r} "
                 f"('pil' = ImageReward-exact 8-bit PIL path, 'torch' = fast on-device approximation)"
             )
-        if tau_mode not in TAU_MODES:
-            raise ValueError(f"tau_mode must be one of {TAU_MODES}, got {tau_mode!r}")
+        check_choice("tau_mode", tau_mode, TAU_MODES)
         tau = _check_tau(tau)
-        try:
-            temporal_weight = float(temporal_weight)
-        except (TypeError, ValueError):
-            raise ValueError(f"temporal_weight must be a number, got {temporal_weight!r}") from None
-        if not math.isfinite(temporal_weight):
-            raise ValueError(f"temporal_weight must be finite, got {temporal_weight}")
+        temporal_weight = check_number("temporal_weight", temporal_weight,
+                                       fix="pass a finite weight, e.g. temporal_weight=0.0 (off)")
         accept_rate = _number("accept_rate", accept_rate)
         if not (0.0 < accept_rate < 1.0):  # also rejects NaN
             raise ValueError(
@@ -634,14 +624,8 @@ class RandomRouter:
     """
 
     def __init__(self, p: float, seed: int, key: str = ""):
-        try:
-            p = float(p)
-        except (TypeError, ValueError):
-            raise ValueError(f"p must be a number in [0, 1], got {p!r}") from None
-        if not (0.0 <= p <= 1.0):  # also rejects NaN
-            raise ValueError(f"p must be in [0, 1], got {p}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        p = check_number("p", p, low=0.0, high=1.0, fix="the probability of keeping a drafted block, e.g. p=0.73")
+        seed = check_seed("seed", seed)
         self.p = p
         self.seed = seed
         self.key = str(key)

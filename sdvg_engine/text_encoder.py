@@ -124,16 +124,43 @@ class UMT5TextEncoder:
         return (hidden * mask[..., None]).cpu()
 
 
-def _read_tokenizer(tokenizer_dir: str | os.PathLike):
-    from transformers import AutoTokenizer
+#: A tokenizer folder needs one of these (the fast tokenizer's serialisation, or UMT5's SentencePiece model).
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
 
-    tokenizer_dir = Path(tokenizer_dir)
+
+def _check_tokenizer_folder(tokenizer_dir: Path, *, model_folder: bool = False) -> None:
+    """Refuse, before any weights load, a tokenizer folder that cannot give a tokenizer: name the folder, the files
+    it lacks and what it holds. ``model_folder``: the folder is the text encoder's own (no ``tokenizer=`` given)."""
     if not tokenizer_dir.is_dir():
         raise FileNotFoundError(
             f"tokenizer folder not found: {tokenizer_dir} (a local copy of google/umt5-xxl's tokenizer files: "
             "tokenizer.json or spiece.model with tokenizer_config.json)"
         )
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    if any((tokenizer_dir / name).is_file() for name in TOKENIZER_FILES):
+        return
+    held = sorted(p.name for p in tokenizer_dir.iterdir())
+    shown = ", ".join(held[:12]) + (f", ... (+{len(held) - 12} more)" if len(held) > 12 else "") if held else "nothing"
+    where = ("the UMT5 folder has no tokenizer" if model_folder else "the tokenizer folder has no tokenizer")
+    fix = ("copy google/umt5-xxl's tokenizer files (tokenizer.json or spiece.model, with tokenizer_config.json and "
+           "special_tokens_map.json) into it, or pass a tokenizer folder (tokenizer=... / --tokenizer DIR)"
+           if model_folder else
+           "pass a folder holding google/umt5-xxl's tokenizer files (tokenizer.json or spiece.model, with "
+           "tokenizer_config.json)")
+    raise ValueError(f"{tokenizer_dir}: {where}: it holds neither {' nor '.join(TOKENIZER_FILES)} (found: {shown}); "
+                     f"{fix}")
+
+
+def _read_tokenizer(tokenizer_dir: str | os.PathLike, *, model_folder: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = Path(tokenizer_dir)
+    _check_tokenizer_folder(tokenizer_dir, model_folder=model_folder)
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    except (OSError, ValueError) as e:  # transformers' own wording names neither the folder nor the files
+        raise ValueError(f"{tokenizer_dir}: the tokenizer files cannot be read ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}); pass a folder with google/umt5-xxl's tokenizer.json "
+                         "or spiece.model and tokenizer_config.json") from e
 
 
 def load_text_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None, device="cpu",
@@ -145,10 +172,13 @@ def load_text_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike |
     if not path.exists():
         raise FileNotFoundError(f"text encoder not found: {path}")
     if path.is_dir():
+        # The tokenizer is checked before the (11 GB) weights load.
+        _check_tokenizer_folder(Path(tokenizer or path), model_folder=tokenizer is None)
         model = UMT5EncoderModel.from_pretrained(str(path), local_files_only=True, torch_dtype=dtype)
-        return UMT5TextEncoder(model.to(device), _read_tokenizer(tokenizer or path))
+        return UMT5TextEncoder(model.to(device), _read_tokenizer(tokenizer or path, model_folder=tokenizer is None))
     if tokenizer is None:
         raise ValueError(f"{path}: a single-file text encoder needs a tokenizer folder (--tokenizer)")
+    _check_tokenizer_folder(Path(tokenizer))
     from .checkpoint_io import CheckpointError, check_float_weights, check_tensors, read_tensor_file
 
     state, _, _ = read_tensor_file(path, what="text encoder", hint="pass a transformers UMT5 folder or umt5_xxl_*.safetensors",

@@ -84,6 +84,20 @@ def files(tmp_path_factory):
     (bad / "precious.safetensors").write_bytes(drafter)
     (bad / "not_a_folder").write_text("a file")
     (bad / "tokenizer").mkdir()
+    # a UMT5 folder saved without its tokenizer, and a tokenizer folder that works
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    UMT5EncoderModel(UMT5Config(vocab_size=8, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2)).save_pretrained(
+        bad / "umt5_no_tokenizer")
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", "x"])},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    (root / "tokenizer").mkdir()
+    tokenizer.save(str(root / "tokenizer" / "tokenizer.json"))
+    (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}))
     os.mkfifo(bad / "hang.fifo")  # the VAE loader refuses it by name: proves a case was refused before loading
     return root
 
@@ -187,7 +201,12 @@ CLI_CASES = {
                           ["truncated.safetensors", "truncated or corrupt", "download it again"]),
     "drafter-empty": (lambda f: _models(f, drafter=f / B / "empty.safetensors"), ["empty.safetensors", "empty (0 bytes)"]),
     "drafter-random": (lambda f: _models(f, drafter=f / B / "random.pt"), ["random.pt"]),
-    "drafter-vae-folder": (lambda f: _models(f, drafter=f / "vae"), ["vae", "AutoencoderKLWan", "not a Wan transformer"]),
+    "drafter-vae-folder": (lambda f: _models(f, drafter=f / "vae"), ["vae", "this is a Wan VAE folder, not a Wan DiT",
+                                                                      "--vae"]),
+    "drafter-is-reward": (lambda f: _models(f, drafter=f / "ImageReward.safetensors"),
+                          ["ImageReward.safetensors", "this is an ImageReward checkpoint, not a Wan DiT", "--reward"]),
+    "target-is-vae-file": (lambda f: _models(f, target=f / "vae" / "diffusion_pytorch_model.safetensors"),
+                           ["diffusion_pytorch_model.safetensors", "this is a Wan VAE, not a Wan DiT", "--vae"]),
     "drafter-int": (lambda f: _models(f, drafter=f / B / "int_weights.safetensors"),
                     ["int_weights.safetensors", "'blocks.0.attn1.to_q.weight'", "int32", "not floating point"]),
     "drafter-broken-meta": (lambda f: _models(f, drafter=f / B / "broken_meta.safetensors"),
@@ -219,8 +238,18 @@ CLI_CASES = {
                                      str(f / B / "tokenizer"), "--prompt", "x", "--out", str(f / B / "precious.safetensors")],
                           ["--out", "precious.safetensors", "already exists", "--overwrite"]),
     "encode-odd-encoder": (lambda f: ["encode-prompts", "--text-encoder", str(f / "drafter.safetensors"), "--tokenizer",
-                                      str(f / B / "tokenizer"), "--prompt", "x", "--out", str(f / "new.safetensors")],
+                                      str(f / "tokenizer"), "--prompt", "x", "--out", str(f / "new.safetensors")],
                            ["drafter.safetensors", "not a UMT5/T5 encoder"]),
+    # a tokenizer folder without the tokenizer's files: refused naming the folder and the files, before any load
+    "encode-folder-no-tokenizer": (lambda f: ["encode-prompts", "--text-encoder", str(f / B / "umt5_no_tokenizer"),
+                                              "--prompt", "x", "--out", str(f / "new.safetensors")],
+                                   ["umt5_no_tokenizer: the UMT5 folder has no tokenizer", "tokenizer.json",
+                                    "spiece.model", "found: config.json", "--tokenizer"]),
+    "encode-empty-tokenizer": (lambda f: ["encode-prompts", "--text-encoder", str(f / "drafter.safetensors"),
+                                          "--tokenizer", str(f / B / "tokenizer"), "--prompt", "x", "--out",
+                                          str(f / "new.safetensors")],
+                               ["tokenizer: the tokenizer folder has no tokenizer", "tokenizer.json", "spiece.model",
+                                "found: nothing"]),
     "encode-no-prompt": (lambda f: ["encode-prompts", "--text-encoder", str(f / "drafter.safetensors"), "--prompt", " ",
                                     "--out", str(f / "new.safetensors")], ["--prompt", "no (non-empty) prompts"]),
     # ---- bench (all checked before anything runs) ----
@@ -505,3 +534,159 @@ def test_subprocess_ctrl_c_keeps_a_complete_set(prepared, tmp_path):
                                                      "video_000.webp"]
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["mode"] == "target_only" and report["video"] == str(out / "video_000.webp")
+
+
+# ---- issue 30's rows: options, routers and loaders refuse bad values naming the argument and the value ----------
+NAN = float("nan")
+# id -> (SDVGOptions keyword arguments, what the message must contain)
+OPTION_ROWS = {
+    "refine-float": ({"refine_from_step": 2.5}, ["refine_from_step", "2.5", "whole number"]),
+    "refine-bool": ({"refine_from_step": True}, ["refine_from_step", "True", "whole number"]),
+    "random-p-string": ({"random_accept_prob": "0.5"}, ["random_accept_prob", "'0.5'", "random_accept_prob=0.73"]),
+    "random-p-range": ({"random_accept_prob": 1.5}, ["random_accept_prob", "1.5", "[0, 1]"]),
+    "cascade-margin-nan": ({"cascade_margin": NAN}, ["cascade_margin", "nan", "cascade_margin=0.5"]),
+    "cascade-margin-negative": ({"cascade_margin": -0.1}, ["cascade_margin", "-0.1", ">= 0"]),
+    "cascade-frames-float": ({"cascade_frames": 2.0}, ["cascade_frames", "2.0", "cascade_frames=4"]),
+    "cascade-frames-zero": ({"cascade_frames": 0}, ["cascade_frames", "0", ">= 1"]),
+    "cascade-string": ({"cascade": "yes"}, ["cascade", "'yes'", "True or False"]),
+    "force-first-block-string": ({"force_first_block": "no"}, ["force_first_block", "'no'", "True or False"]),
+    "force-first-block-int": ({"force_first_block": 0}, ["force_first_block", "0 (int)", "True or False"]),
+    "schedule-every-float": ({"mode": "schedule", "schedule_every": 1.5}, ["schedule_every", "1.5", "schedule_every=3"]),
+    "schedule-every-bool": ({"mode": "schedule", "schedule_every": True}, ["schedule_every", "True", "whole number"]),
+    "schedule-every-negative": ({"mode": "schedule", "schedule_every": -1}, ["schedule_every", "-1", ">= 0"]),
+    "schedule-veto-string": ({"mode": "schedule", "schedule_veto": "yes"}, ["schedule_veto", "'yes'", "True or False"]),
+    "mode-unknown": ({"mode": "fast"}, ["mode", "'fast'", "'sdvg'", "'target_only'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTION_ROWS))
+def test_options_refuse_bad_fields(case):
+    import dataclasses
+
+    from sdvg_engine.options import SDVGOptions
+
+    kwargs, needles = OPTION_ROWS[case]
+    for make in (lambda: SDVGOptions(**kwargs), lambda: dataclasses.replace(SDVGOptions(), **kwargs)):
+        with pytest.raises(ValueError) as info:
+            make()
+        for needle in needles:
+            assert needle in str(info.value), (needle, str(info.value))
+    # A field assigned after construction is caught by validate() (the pipeline calls it before any model call).
+    options = SDVGOptions(mode="schedule" if "schedule_every" in kwargs or "schedule_veto" in kwargs else "sdvg")
+    for key, value in kwargs.items():
+        setattr(options, key, value)
+    with pytest.raises(ValueError) as info:
+        options.validate(None)
+    assert needles[0] in str(info.value)
+
+
+def test_options_normalise_and_round_trip():
+    import dataclasses
+
+    import numpy as np
+
+    from sdvg_engine.options import SDVGOptions
+
+    options = SDVGOptions(mode="schedule", random_accept_prob=np.float32(0.5), refine_from_step=np.int64(2),
+                          cascade_frames=np.int32(3), cascade_margin=1, schedule_every=np.int64(2))
+    fields = dataclasses.asdict(options)
+    assert fields == {"mode": "schedule", "force_first_block": True, "random_accept_prob": 0.5, "refine_from_step": 2,
+                      "cascade": False, "cascade_frames": 3, "cascade_margin": 1.0, "schedule_every": 2,
+                      "schedule_veto": False}
+    assert [type(fields[k]) for k in ("random_accept_prob", "refine_from_step", "cascade_frames", "schedule_every")] \
+        == [float, int, int, int]
+    json.dumps(fields, allow_nan=False)
+    assert dataclasses.replace(options, schedule_every=4).schedule_every == 4 and SDVGOptions(**fields) == options
+    assert SDVGOptions(refine_from_step=None).refine_from_step is None
+
+
+def _router_rows():
+    from sdvg_engine.reward import build_tiny_image_reward
+    from sdvg_engine.router import RandomRouter, RewardRouter
+
+    scorer = build_tiny_image_reward(seed=0)
+    return {
+        "random-seed-negative": (lambda: RandomRouter(0.5, seed=-1), ["seed", "-1", "0 to 18446744073709551615"]),
+        "random-seed-2^64+1": (lambda: RandomRouter(0.5, seed=2**64 + 1), ["seed", str(2**64 + 1), "2**64 - 1"]),
+        "random-seed-2^200": (lambda: RandomRouter(0.5, seed=2**200), ["seed", str(2**200), "2**64 - 1"]),
+        "random-seed-bool": (lambda: RandomRouter(0.5, seed=True), ["seed", "True (bool)"]),
+        "random-p-string": (lambda: RandomRouter("0.5", seed=0), ["p", "'0.5'", "p=0.73"]),
+        "router-tau-string": (lambda: RewardRouter(scorer, tau="0.5"), ["tau", "'0.5'", "tau=-0.25"]),
+        "router-tau-nan": (lambda: RewardRouter(scorer, tau=NAN), ["tau must not be NaN", "-inf keeps every draft"]),
+        "router-aggregation": (lambda: RewardRouter(scorer, aggregation="median"), ["aggregation", "'median'", "'min'"]),
+        "router-tau-mode": (lambda: RewardRouter(scorer, tau_mode="relativ"), ["tau_mode", "'relativ'", "'relative'"]),
+        "router-temporal-nan": (lambda: RewardRouter(scorer, temporal_weight=NAN), ["temporal_weight", "nan",
+                                                                                   "temporal_weight=0.0"]),
+        "router-temporal-string": (lambda: RewardRouter(scorer, temporal_weight="0.5"), ["temporal_weight", "'0.5'"]),
+        "router-accept-rate-string": (lambda: RewardRouter(scorer, accept_rate="0.5"), ["accept_rate", "'0.5'"]),
+        "router-prior-std-bool": (lambda: RewardRouter(scorer, prior_std=True), ["prior_std", "True"]),
+        "router-decide-tau-string": (lambda: RewardRouter(scorer).decide([0.1], tau="0.5"), ["tau", "'0.5'"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["random-seed-negative", "random-seed-2^64+1", "random-seed-2^200", "random-seed-bool",
+                                  "random-p-string", "router-tau-string", "router-tau-nan", "router-aggregation",
+                                  "router-tau-mode", "router-temporal-nan", "router-temporal-string",
+                                  "router-accept-rate-string", "router-prior-std-bool", "router-decide-tau-string"])
+def test_routers_refuse_bad_arguments(case):
+    call, needles = _router_rows()[case]
+    with pytest.raises(ValueError) as info:
+        call()
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def _loader_rows(f: Path):
+    from sdvg_engine.loaders import load_generator, load_pipeline
+    from sdvg_engine.models.loading import load_causal_wan
+    from sdvg_engine.reward import load_image_reward
+    from sdvg_engine.text_encoder import load_text_encoder
+
+    reward = f / "ImageReward.safetensors"
+    fifo = f / B / "hang.fifo"  # the reader refuses it by name: a case naming its argument was refused before reading
+    # A drafter path that does not exist: router options must be refused before any model file is opened.
+    paths = dict(drafter=f / "missing_drafter.safetensors", target=f / "target.safetensors", vae=f / "vae", reward=reward)
+    return {
+        "reward-vision-heads-0": (lambda: load_image_reward(fifo, vision_heads=0),
+                                  ["vision_heads must be a whole number >= 1, got 0", "vision_heads=16"]),
+        "reward-text-heads-float": (lambda: load_image_reward(fifo, text_heads=12.0),
+                                    ["text_heads must be a whole number, got 12.0"]),
+        "reward-heads-not-dividing": (lambda: load_image_reward(reward, vision_heads=7),
+                                      ["ImageReward.safetensors", "vision_heads 7"]),
+        "reward-batch-0": (lambda: load_image_reward(fifo, batch_size=0),
+                           ["batch_size must be a whole number >= 1, got 0", "batch_size=8"]),
+        "reward-path-none": (lambda: load_image_reward(None), ["path", "None", "ImageReward"]),
+        "reward-device": (lambda: load_image_reward(fifo, device="bogus"), ["device", "'bogus'", "'cpu'"]),
+        "reward-as-drafter": (lambda: load_causal_wan(reward),
+                              [str(reward), "this is an ImageReward checkpoint, not a Wan DiT", "reward model"]),
+        "reward-as-generator": (lambda: load_generator(reward), [str(reward), "ImageReward checkpoint", "reward model"]),
+        "vae-file-as-drafter": (lambda: load_causal_wan(f / "vae" / "diffusion_pytorch_model.safetensors"),
+                                ["diffusion_pytorch_model.safetensors", "this is a Wan VAE", "as the VAE"]),
+        "umt5-folder-no-tokenizer": (lambda: load_text_encoder(f / B / "umt5_no_tokenizer"),
+                                     [str(f / B / "umt5_no_tokenizer"), "no tokenizer", "tokenizer.json",
+                                      "spiece.model", "found: config.json, model.safetensors"]),
+        "umt5-empty-tokenizer-folder": (lambda: load_text_encoder(f / B / "umt5_no_tokenizer", tokenizer=f / B / "tokenizer"),
+                                        [str(f / B / "tokenizer"), "tokenizer.json", "found: nothing"]),
+        "pipeline-router-tau-string": (lambda: load_pipeline(**paths, router_options={"tau": "0.5"}), ["tau", "'0.5'"]),
+        "pipeline-router-aggregation": (lambda: load_pipeline(**paths, router_options={"aggregation": "median"}),
+                                        ["aggregation", "'median'"]),
+        "pipeline-router-temporal-nan": (lambda: load_pipeline(**paths, router_options={"temporal_weight": NAN}),
+                                         ["temporal_weight", "nan"]),
+    }
+
+
+LOADER_ROWS = ["reward-vision-heads-0", "reward-text-heads-float", "reward-heads-not-dividing", "reward-batch-0",
+               "reward-path-none", "reward-device", "reward-as-drafter", "reward-as-generator", "vae-file-as-drafter",
+               "umt5-folder-no-tokenizer", "umt5-empty-tokenizer-folder", "pipeline-router-tau-string",
+               "pipeline-router-aggregation", "pipeline-router-temporal-nan"]
+
+
+@pytest.mark.parametrize("case", LOADER_ROWS)
+def test_loaders_refuse_bad_arguments(case, prepared):
+    call, needles = _loader_rows(prepared)[case]
+    before = _digest(prepared)
+    with pytest.raises(ValueError) as info:
+        call()
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    assert _digest(prepared) == before

@@ -105,8 +105,37 @@ def _read_diffusers_folder(path: Path) -> tuple[dict, dict]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object, found {type(config).__name__}")
     if config.get("_class_name", "WanTransformer3DModel") not in ("WanTransformer3DModel", "CausalWanTransformer3DModel"):
+        if config["_class_name"] == "AutoencoderKLWan":
+            raise CheckpointError(f"{path}: this is a Wan VAE folder, not a Wan DiT (the drafter or target "
+                                  "transformer); pass it as the VAE (vae= in the Python API, --vae in the CLI)")
         raise CheckpointError(f"{path}: config.json describes {config['_class_name']}, not a Wan transformer; {_DIT_HINT}")
     return tensors, {META_CONFIG: json.dumps(config)}
+
+
+# ---- files of the other models -----------------------------------------------------------------------
+#: (key prefixes, what the file is, where it goes) for the other models of the stack: a file given in the wrong slot
+#: is named for what it is instead of failing on its first odd tensor.
+_OTHER_MODELS = (
+    (("blip.visual_encoder.", "blip.text_encoder.", "mlp.layers."), "an ImageReward checkpoint",
+     "pass it as the reward model (reward= in the Python API, --reward in the CLI, the SDVG Reward Router's model)"),
+    (("encoder.block.", "shared.weight", "encoder.final_layer_norm."), "a UMT5 text encoder",
+     "pass it to `sdvg encode-prompts --text-encoder` (or ComfyUI's CLIP loader) to encode prompts"),
+    (("encoder.", "decoder.", "conv1.", "conv2.", "quant_conv.", "post_quant_conv."),
+     "a Wan VAE", "pass it as the VAE (vae= in the Python API, --vae in the CLI)"),
+)  # in this order: UMT5's keys start with "encoder." too
+
+
+def _other_model(state: dict, path: Path) -> None:
+    """Refuse a file of another model of the stack, naming what it is and where it goes."""
+    keys = [k for k in state if isinstance(k, str)]
+    for strip in ("", "model.", "first_stage_model.", "vae."):
+        stripped = [k[len(strip):] for k in keys if k.startswith(strip)] if strip else keys
+        if len(stripped) != len(keys):
+            continue
+        for prefixes, what, fix in _OTHER_MODELS:
+            if stripped and sum(k.startswith(prefixes) for k in stripped) * 2 > len(stripped):
+                raise CheckpointError(f"{path}: this is {what}, not a Wan DiT (the drafter or target transformer); "
+                                      f"{fix}")
 
 
 # ---- key formats ------------------------------------------------------------------------------------
@@ -232,6 +261,7 @@ def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) ->
         state, metadata, entry = read_tensor_file(path, what="checkpoint", hint=_DIT_HINT,
                                                   entries=("generator_ema", "generator", "state_dict", "model"))
         container = sniff_format(path)
+    _other_model(state, path)
     check_tensors(state, path)
     check_float_weights(state, path, allow=_is_allowed_non_float)
 

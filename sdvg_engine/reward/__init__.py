@@ -210,6 +210,20 @@ def load_image_reward(
     Raises ``FileNotFoundError`` if ``path`` is not a file (nothing is ever downloaded) and
     ``ValueError`` naming the file and listing keys on any key/shape mismatch.
     """
+    from ..checks import check_device, check_optional_int
+
+    # Every argument is checked before the (1.8 GB) file is read.
+    if path is None or not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"path must be the ImageReward checkpoint's file path (ImageReward.pt or a .safetensors), "
+                         f"got {path!r}")
+    heads_fix = "ImageReward v1.0 has vision_heads=16 and text_heads=12; leave None to use those (or the file's own)"
+    vision_heads = check_optional_int("vision_heads", vision_heads, low=1, fix=heads_fix)
+    text_heads = check_optional_int("text_heads", text_heads, low=1, fix=heads_fix)
+    batch_size = check_optional_int("batch_size", batch_size, low=1,
+                                    fix="frames per forward, e.g. batch_size=8, or None for all frames at once")
+    check_device("device", device)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
     _check_preprocess(preprocess)
     sd = read_state_dict(path)
     if (vision_heads is None or text_heads is None) and str(path).endswith(".safetensors"):

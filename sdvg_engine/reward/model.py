@@ -80,6 +80,14 @@ class ImageRewardConfig:
     head_hidden: tuple[int, ...] = field(default=(1024, 128, 64, 16))
 
     def __post_init__(self) -> None:
+        from ..checks import check_int
+
+        for name in ("image_size", "patch_size", "vision_width", "vision_layers", "vision_heads", "vision_mlp_dim",
+                     "text_width", "text_layers", "text_heads", "text_ffn", "vocab_size", "max_position_embeddings",
+                     "proj_dim"):
+            # Before the divisibility checks below: a head count of 0 was a ZeroDivisionError.
+            check_int(name, getattr(self, name), low=1,
+                      fix="ImageReward v1.0 has vision_heads=16 and text_heads=12" if name.endswith("_heads") else "")
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}"
