@@ -1,6 +1,8 @@
 """`sdvg inspect / generate / encode-prompts` on tiny real checkpoint files."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,3 +148,106 @@ def test_a_prompts_file_with_a_bom_reads_the_first_prompt_as_typed(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_bytes("\ufeffa red ball\r\na paper boat\n".encode("utf-8"))
     assert _read_prompts(SimpleNamespace(prompt=None, prompts_file=str(path))) == ["a red ball", "a paper boat"]
+
+
+# ---- models loaded only when the mode needs them --------------------------------------------------------------
+def _spy_loads(monkeypatch):
+    """Record every checkpoint the run loads (the real loaders still run)."""
+    import sdvg_engine.loaders as loaders
+    import sdvg_engine.reward as reward
+
+    opened = []
+    real_dit, real_reward = loaders.load_dit, reward.load_image_reward
+
+    def load_dit(path, **kw):
+        opened.append(("dit", str(path)))
+        return real_dit(path, **kw)
+
+    def load_image_reward(path, **kw):
+        opened.append(("reward", str(path)))
+        return real_reward(path, **kw)
+
+    monkeypatch.setattr(loaders, "load_dit", load_dit)
+    monkeypatch.setattr(reward, "load_image_reward", load_image_reward)
+    return opened
+
+
+@pytest.mark.parametrize("mode,given,loaded", [
+    ("draft_only", ["--drafter"], ["drafter"]),                      # no --target at all
+    ("draft_only", ["--drafter", "--target", "--reward"], ["drafter"]),  # given, never opened
+    ("target_only", ["--target"], ["target"]),
+    ("sdvg", ["--drafter", "--target", "--reward"], ["drafter", "target", "ImageReward"]),
+])
+def test_only_the_models_the_mode_uses_are_loaded(files, tmp_path, monkeypatch, mode, given, loaded):
+    opened = _spy_loads(monkeypatch)
+    paths = {"--drafter": files / "drafter.safetensors", "--target": files / "target.safetensors",
+             "--reward": files / "ImageReward.safetensors"}
+    out = tmp_path / "out"
+    argv = ["generate", "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"),
+            "--prompt", "a red ball", "--mode", mode, "--length", "21", "--width", str(WIDTH), "--height", str(HEIGHT),
+            "--dtype", "fp32", "--device", "cpu", "--format", "webp", "--out", str(out)]
+    for flag in given:
+        argv += [flag, str(paths[flag])]
+    assert main(argv) == 0
+    assert [Path(p).stem for _, p in opened] == loaded
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["mode"] == mode and report["num_blocks"] == 2
+    for role in ("drafter", "target"):
+        used = role in loaded
+        assert (report["settings"][f"{role}_context"] is not None) == used
+        assert (role in report["settings"]["settings_source"]) == used
+        assert (sum(report["model_calls"][role].values()) > 0) == used
+
+
+def test_draft_only_without_target_writes_the_drafters_video(files, tmp_path):
+    """The draft_only video without --target equals the one made with --target given (which it never runs)."""
+    common = ["generate", "--drafter", str(files / "drafter.safetensors"), "--vae", str(files / "vae"),
+              "--context-file", str(files / "embeds.safetensors"), "--prompt", "a red ball", "--mode", "draft_only",
+              "--frames", "21", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
+              "--format", "webp"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    assert main(common + ["--target", str(files / "target.safetensors"), "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / "video_000.webp").read_bytes() == (tmp_path / "b" / "video_000.webp").read_bytes()
+
+
+@pytest.mark.parametrize("mode,missing", [("sdvg", "--target"), ("random", "--target"), ("sdvg", "--drafter"),
+                                          ("first_block_only", "--drafter")])
+def test_a_mode_that_runs_a_model_requires_it(files, tmp_path, capsys, mode, missing):
+    argv = ["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+            "--vae", str(files / "vae"), "--reward", str(files / "ImageReward.safetensors"), "--mode", mode,
+            "--context-file", str(files / "embeds.safetensors"), "--device", "cpu", "--out", str(tmp_path / "o")]
+    i = argv.index(missing)
+    del argv[i: i + 2]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sdvg generate: error: {missing}: missing: --mode {mode} ") and "checkpoint" in err
+    assert not (tmp_path / "o").exists()
+
+
+# ---- the progress line prints what was compared with tau -------------------------------------------------------
+PROGRESS = re.compile(r"block (\d+)/\d+: (?:margin|draft score) ([-+]\d+\.\d+) .*?vs (?:tau|running-quantile "
+                      r"threshold) ([-+]\d+\.\d+) -> (accepted|rejected)")
+
+
+@pytest.mark.parametrize("tau_mode,tau", [("relative", "-0.05"), ("anchor", "0.0"), ("accept_rate", None),
+                                          ("fixed", "-1.5")])
+def test_progress_line_shows_the_compared_quantity_and_threshold(files, tmp_path, capsys, tau_mode, tau):
+    out = tmp_path / "out"
+    argv = ["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+            "--vae", str(files / "vae"), "--reward", str(files / "ImageReward.safetensors"),
+            "--context-file", str(files / "embeds.safetensors"), "--prompt", "a red ball", "--tau-mode", tau_mode,
+            "--length", "57", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
+            "--format", "webp", "--out", str(out)] + (["--tau", tau] if tau else [])
+    assert main(argv) == 0
+    lines = {int(m[1]) - 1: m.groups()[1:] for m in PROGRESS.finditer(capsys.readouterr().err)}
+    blocks = json.loads((out / "report.json").read_text())["blocks"]
+    judged = [b for b in blocks if b.get("decision")]
+    assert judged and sorted(lines) == [b["index"] for b in judged]
+    for block in judged:
+        d = block["decision"]
+        reference = d.get("reference_score")
+        value = d["block_score"] - reference if tau_mode in ("relative", "anchor") else d["block_score"]
+        printed_value, printed_threshold, verdict = lines[block["index"]]
+        assert float(printed_value) == pytest.approx(value, abs=5e-4)
+        assert float(printed_threshold) == pytest.approx(float(d["tau"]), abs=5e-4)
+        assert (verdict == "accepted") == d["accept"] == (value >= float(d["tau"]))

@@ -124,6 +124,88 @@ def test_an_interrupted_report_write_keeps_the_earlier_report(files, tmp_path, m
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
 
 
+# ---- the manifest and the report (issue 30) -----------------------------------------------------------------------
+@pytest.mark.parametrize("via", ["direct", "dotdot", "symlink"])
+def test_a_report_named_as_the_manifest_is_refused_before_generating(files, tmp_path, capsys, via):
+    """The manifest is written after the report: a --report at OUT/.sdvg-outputs.json (however spelled) would be
+    lost while sdvg said it was written. Refused, naming both, before anything loads or is written."""
+    out = tmp_path / "out"
+    report = {"direct": out / ".sdvg-outputs.json", "dotdot": out / "sub" / ".." / ".sdvg-outputs.json",
+              "symlink": tmp_path / "report.json"}[via]
+    if via == "symlink":
+        report.symlink_to(out / ".sdvg-outputs.json")
+    assert main(generate_args(files, out, "--report", str(report))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sdvg generate: error: --report {report}: is {out / '.sdvg-outputs.json'}, the manifest")
+    assert not out.exists()
+
+
+def test_a_manifest_symlink_is_never_followed(files, tmp_path, capsys):
+    """A .sdvg-outputs.json that links to a user's JSON with a "files" list: with --overwrite, the files it lists
+    would be deleted as an earlier run's. Refused before generating; nothing is deleted or written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("thesis.pdf", "video_007.webp"):
+        (out / name).write_text("mine")
+    users_json = tmp_path / "project.json"
+    users_json.write_text(json.dumps({"files": ["thesis.pdf", "video_007.webp"]}))
+    (out / ".sdvg-outputs.json").symlink_to(users_json)
+    assert main(generate_args(files, out, "--overwrite")) == 2
+    assert capsys.readouterr().err.startswith(f"sdvg generate: error: --out {out}: .sdvg-outputs.json is a symbolic "
+                                              f"link (to {users_json})")
+    assert listing(out) == [".sdvg-outputs.json", "thesis.pdf", "video_007.webp"]
+    assert (out / "thesis.pdf").read_text() == "mine" and (out / ".sdvg-outputs.json").is_symlink()
+    assert json.loads(users_json.read_text()) == {"files": ["thesis.pdf", "video_007.webp"]}
+    from sdvg_engine.cli import written_by_earlier_run
+
+    assert written_by_earlier_run(out) == []  # read directly: a link is not a manifest either
+
+
+def test_a_manifest_name_that_is_a_folder_fails_before_any_video(files, tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / ".sdvg-outputs.json").mkdir(parents=True)
+    assert main(generate_args(files, out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sdvg generate: error: --out {out}: .sdvg-outputs.json is a folder") and ".tmp" not in err
+    assert listing(out) == [".sdvg-outputs.json"] and listing(out / ".sdvg-outputs.json") == []
+
+
+def test_an_earlier_runs_leftovers_need_overwrite(files, tmp_path, capsys):
+    """Files an earlier run recorded in its manifest are refused without --overwrite even when this run would write
+    none of those names; with --overwrite they are replaced by one new set."""
+    out = tmp_path / "out"
+    assert main(generate_args(files, out)) == 0  # 2 videos, their masks, report.json, the manifest
+    for name in ("video_000.webp", "mask_000.png", "report.json"):
+        (out / name).unlink()  # what the new run would write is gone; video_001/mask_001 are the leftovers
+    before = listing(out)
+    capsys.readouterr()
+    assert main(generate_args(files, out, "--prompt", "a red ball")) == 2
+    assert capsys.readouterr().err.startswith(f"sdvg generate: error: --out {out}: already holds mask_001.png "
+                                              "(and 1 more), from an earlier run; pass --overwrite")
+    assert listing(out) == before
+    assert main(generate_args(files, out, "--prompt", "a red ball", "--overwrite")) == 0
+    assert listing(out) == [".sdvg-outputs.json", "mask_000.png", "report.json", "video_000.webp"]
+
+
+def test_schedule_veto_with_an_empty_prompt_is_refused_before_loading(files, tmp_path, capsys):
+    """--mode schedule --schedule-veto scores drafts against the prompt: an empty --prompt is refused naming it, before
+    any model loads (the --text-encoder here is not a text encoder: loading it would fail differently)."""
+    argv = ["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+            "--vae", str(files / "vae"), "--reward", str(files / "ImageReward.safetensors"), "--mode", "schedule",
+            "--schedule-veto", "--prompt", "", "--text-encoder", str(files / "drafter.safetensors"), "--device", "cpu",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ("sdvg generate: error: --prompt: prompt 0 is empty; --mode schedule with "
+                                       "--schedule-veto scores drafts against the prompt (ImageReward), so give a "
+                                       "non-empty prompt or use another --mode\n")
+    assert not (tmp_path / "out").exists()
+    # Without the veto nothing is scored: the empty prompt is fine as far as the prompts go.
+    argv.remove("--schedule-veto")
+    from sdvg_engine.cli import build_parser, plan_prompts
+
+    assert plan_prompts(build_parser().parse_args(argv)) == ([""], None)
+
+
 # ---- range edges ------------------------------------------------------------------------------------------------
 def cli_problem(files, tmp_path, *flags):
     """validate_args' refusal of ``flags`` (None when accepted); nothing is loaded."""
@@ -140,6 +222,14 @@ def cli_problem(files, tmp_path, *flags):
     (("--width", "4096"), True), (("--width", "4112"), False),
     (("--height", "16"), True), (("--height", "8"), False), (("--height", "-16"), False),
     (("--frames", "9"), True), (("--frames", "8"), False), (("--frames", "81"), True), (("--frames", "10"), False), (("--frames", "20"), False),
+    # A global KV cache of --max-frames latent frames holds exactly that many: 81 frames = 21 latent frames fit 21.
+    (("--frames", "81", "--target-context", "global_cache"), True),
+    (("--frames", "93", "--target-context", "global_cache"), False),
+    (("--length", "81", "--drafter-context", "global_cache", "--mode", "draft_only"), True),
+    (("--length", "93", "--drafter-context", "global_cache", "--mode", "draft_only"), False),
+    (("--frames", "21", "--max-frames", "6", "--target-context", "global_cache"), True),
+    (("--frames", "33", "--max-frames", "6", "--target-context", "global_cache"), False),
+    (("--frames", "93", "--target-context", "global_cache", "--mode", "draft_only"), True),  # the target never runs
     (("--random-p", "0"), True), (("--random-p", "1"), True), (("--random-p", "1.0000001"), False),
     (("--random-p", "-0.0000001"), False),
     (("--refine-from-step", "1"), True), (("--refine-from-step", "0"), False), (("--refine-from-step", "4"), True),

@@ -73,7 +73,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
-        if getattr(parsed, "command", None) is not None and self._subparsers is None:  # a command's own parser
+        if self._subparsers is None:  # a command's own parser (sdvg generate ...)
             parsed._flag_names = self._flag_names(args or [])
         resolve_router_defaults(parsed)
         resolve_device(parsed)
@@ -126,20 +126,20 @@ def _add_model_args(p, *, command: str) -> None:
     bench = command == "bench"
     g = p.add_argument_group("models (files)")
     g.add_argument("--drafter", metavar="FILE",
-                   help="the fast drafter checkpoint, e.g. self_forcing_dmd.pt" +
-                        ("" if bench else "; required unless --mode target_only, which never loads it"))
+                   help="the fast drafter checkpoint, e.g. self_forcing_dmd.pt; " +
+                        ("required" if bench else "required unless --mode target_only, which never loads it"))
     g.add_argument("--target", metavar="FILE",
-                   help="the target checkpoint, e.g. krea-realtime-video-14b.safetensors" +
-                        ("" if bench else "; required unless --mode draft_only, which never loads it"))
+                   help="the target checkpoint, e.g. krea-realtime-video-14b.safetensors; " +
+                        ("required" if bench else "required unless --mode draft_only, which never loads it"))
     g.add_argument("--vae", required=True, metavar="PATH",
                    help="the Wan2.1 VAE: Wan2.1_VAE.pth, wan_2.1_vae.safetensors or a diffusers folder (required)")
     g.add_argument("--reward", metavar="FILE",
                    help="the ImageReward model (ImageReward.pt); " +
-                        ("required" if bench else "needed when drafts are scored (--mode sdvg, or --mode schedule "
+                        ("required" if bench else "required when drafts are scored (--mode sdvg, or --mode schedule "
                                                   "--schedule-veto); never loaded otherwise"))
     g.add_argument("--text-encoder", metavar="PATH",
-                   help="UMT5-XXL: a transformers folder or ComfyUI's umt5_xxl_*.safetensors; not needed with "
-                        "--context-file")
+                   help="UMT5-XXL: a transformers folder or ComfyUI's umt5_xxl_*.safetensors; required unless "
+                        "--context-file gives the embeddings")
     g.add_argument("--tokenizer", metavar="DIR",
                    help="a local UMT5 tokenizer folder (needed with a single-file --text-encoder); default: the "
                         "--text-encoder folder's own")

@@ -19,6 +19,7 @@ from .common import _print_err
 #: pipeline's NonFiniteOutputError and torch's out-of-memory error, see :func:`main`).
 EXPECTED_ERRORS = (ValueError, OSError)
 
+COMMANDS = ("inspect", "encode-prompts", "generate", "bench")
 #: exit status after Ctrl-C (128 + SIGINT), as shells report it
 INTERRUPTED = 130
 
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
 
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
+        command = " ".join(["sdvg", *[a for a in argv if a in COMMANDS][:1]])  # named even before parsing ends
         debug = "--debug" in argv
         argv = join_negative_values([a for a in argv if a != "--debug"])
         try:
