@@ -25,30 +25,40 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cascade import cascades, first_frames, settled_by_first_frames
 from .router import RouteDecision, TauState
 
 DEFAULT_MAX_BYTES = 4 << 30
 
 
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is already where a recording lives (the CPU): such a tensor is recorded as it is."""
+    return t.device.type == "cpu"
+
+
 def _cpu(value, copies: dict | None = None):
     """A CPU copy of every tensor inside ``value`` (tuples, lists and dataclass-like states kept as they are).
 
-    ``copies`` (one dict per recording) makes each device tensor cross to the host once: every block's context
-    snapshot references all earlier frames again, which would otherwise be copied again for every block. An entry
-    lives as long as its source tensor (a finalizer drops it, so a freed address that is reused is never mistaken for
-    the old tensor, and the copy of a rejected draft's frames goes with them); the source itself is not kept."""
+    ``copies`` (one dict per recording) makes each device *storage* cross to the host once, whole, and every tensor
+    that views it becomes the same view of that one host copy: every block's context snapshot references earlier
+    frames and latents again (a recompute window holds per-frame views of a block's decoded pixels), and copied view
+    by view they would stop sharing storage with the recorded frames (~1.8x a recording's size, +300 MB at
+    832x480x81). The views recorded are of block-sized storages (a block's latents, its decoded frames), never of a
+    larger buffer. An entry lives as long as its source storage (a finalizer drops it, so a freed address that is
+    reused is never mistaken for the old storage, and the copy of a rejected draft's frames goes with them); the source
+    itself is not kept."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":  # a dry run at real size: nothing to copy, and views stay views
             return value
-        if value.device.type == "cpu" or copies is None:
+        if copies is None or _on_host(value):
             return value.detach().cpu()
-        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()),
-               value.dtype)
+        storage = value.untyped_storage()
+        key = (str(value.device), storage.data_ptr())
         host = copies.get(key)
         if host is None:
-            host = copies[key] = value.detach().cpu()
-            weakref.finalize(value, copies.pop, key, None)
-        return host
+            host = copies[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+            weakref.finalize(storage, copies.pop, key, None)
+        return torch.empty(0, dtype=value.dtype).set_(host, value.storage_offset(), tuple(value.shape), value.stride())
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(_cpu(v, copies) for v in value))
     if isinstance(value, (tuple, list)):
@@ -200,15 +210,15 @@ def redecide(router, options, recorded: RouteDecision, num_frames: int, tau: flo
         if recorded.reference_score is None:
             return None
         return router.decide(recorded.frame_scores, recorded.temporal_score, tau=tau, reference=recorded.reference_score)
-    if not options.cascade or num_frames <= options.cascade_frames:
+    if not cascades(options, num_frames):
         return router.decide(recorded.frame_scores, recorded.temporal_score, tau=tau)
-    first = torch.linspace(0, num_frames - 1, options.cascade_frames).round().long().unique().tolist()
+    first = first_frames(num_frames, options.cascade_frames)
     scores = list(recorded.frame_scores)
     partial = [scores[i] for i in first] if recorded.frames_scored == num_frames else scores
     if len(partial) != len(first):
         return None
     partial_min = router.aggregate(torch.tensor(partial, dtype=torch.float32))
-    if partial_min < tau or partial_min >= tau + options.cascade_margin:
+    if settled_by_first_frames(partial_min, tau, options.cascade_margin):
         return router.decide(partial, tau=tau)
     if recorded.frames_scored != num_frames:
         return None

@@ -7,11 +7,11 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .router import RouteDecision
+from .router import COMPARED_QUANTITY, RouteDecision
 
 COMPONENTS = ("drafter", "target", "vae", "reward")
 
@@ -183,3 +183,134 @@ def build_report(*, settings: dict, blocks: list[BlockRecord], calls: dict, mode
         "speedup_vs_target": None if estimate is None or wall_seconds <= 0 else estimate / wall_seconds,
         "memory": memory,
     }
+
+
+# ---- the result of a run -----------------------------------------------------------------------------------------
+@dataclass
+class SDVGResult:
+    """Output of :meth:`SpeculativePipeline.generate`.
+
+    frames: ``[T, H, W, 3]`` float32 in 0..1 (CPU).
+    latents: ``[B, C, T_lat, h, w]`` float32, the final latents in the DiT's normalized space.
+    acceptance_mask: ``[T]`` float32, 1 where the frame comes from an accepted draft.
+    blocks: one :class:`BlockRecord` per block.
+    report: JSON-serialisable summary (see :func:`build_report`).
+    """
+
+    frames: torch.Tensor
+    latents: torch.Tensor
+    acceptance_mask: torch.Tensor
+    blocks: list[BlockRecord]
+    report: dict
+
+
+def build_result(pipe, run, wall: float, *, recording, stored: bool) -> SDVGResult:
+    """The :class:`SDVGResult` of a finished ``run`` (a :class:`sdvg_engine.run.Run`) of ``pipe``: its frames, latents,
+    mask and the report with its settings, replay and schedule sections. ``recording``: what the run recorded (or
+    ``None``), ``stored``: whether the memo kept it."""
+    records = run.records
+    report = build_report(
+        settings=run_settings(pipe, run), blocks=records, wall_seconds=wall, timer=run.timer,
+        calls={g.name: dict(g.calls) for g in (pipe.drafter, pipe.target)},
+        model_seconds={g.name: {k: round(v, 6) for k, v in g.seconds.items()} for g in (pipe.drafter, pipe.target)},
+        target_only_model_seconds=target_only_seconds(pipe.target, len(records)),
+        memory={"drafter_kv_cache_bytes": pipe.drafter.kv_cache_bytes, "target_kv_cache_bytes": pipe.target.kv_cache_bytes},
+        decode_hidden=run.workers.parallel and not run.workers.same_lane("target", "vae"),
+    )
+    report["free_tau_interval"] = free_tau_interval(records, run.options, pipe.router)
+    report["tau_per_block"] = [None if b.decision is None or b.decision.tau is None else _json_number(b.decision.tau)
+                               for b in records]
+    report["replay"] = {
+        "enabled": recording is not None,
+        "replayed_blocks": run.first_block,
+        "seconds_saved": round(run.replayed_seconds, 6),
+        "kept_for_replay": stored,
+        "recorded_blocks": len(recording.blocks) if stored else 0,
+        "recording_bytes": recording.nbytes if stored else 0,
+        "memo_bytes": pipe.memo.nbytes if pipe.memo is not None else 0,
+    }
+    report["schedule"] = {
+        "worker_busy_seconds": run.workers.busy_seconds(),
+        "critical_path_seconds": round(wall, 6),
+        "speculative_target_blocks": run.workers.speculations,
+        "dropped_speculative_blocks": run.workers.dropped,
+        "dropped_speculative_seconds": round(run.workers.dropped_seconds, 6),
+    }
+    return SDVGResult(frames=torch.cat(run.frames), latents=torch.cat(run.latents, dim=2),
+                      acceptance_mask=torch.cat(run.mask), blocks=records, report=report)
+
+
+def run_settings(pipe, run) -> dict:
+    """The report's ``settings``: the options, the inputs, the models' schedules and contexts, the workers, the router."""
+    settings = {
+        **asdict(run.options), "seed": run.seed, "num_frames": run.num_frames, "width": run.width, "height": run.height,
+        "prompt": run.prompt, "preset": pipe.preset,
+        "drafter_schedule": pipe.drafter.schedule.name, "target_schedule": pipe.target.schedule.name,
+        "drafter_context": pipe.drafter.context.name, "target_context": pipe.target.context.name,
+        "settings_source": {g.name: dict(g.settings_source) for g in (pipe.drafter, pipe.target)},
+        "workers": {"lanes": dict(run.workers.lanes), "parallel": run.workers.parallel},
+    }
+    if pipe.router is not None:
+        router_settings = pipe.router.settings()
+        tau = router_settings.get("tau", pipe.router.tau)
+        router_settings["tau"] = tau if not isinstance(tau, float) or math.isfinite(tau) else str(tau)
+        settings.update(router_settings)
+    return settings
+
+
+def target_only_seconds(target, num_blocks: int) -> float | None:
+    """What the target's model calls of an all-target video would cost, from this run's per-call times.
+
+    All-target = every block's full schedule + one context pass (commit or recompute) before each
+    later block. Per-call times, not per-block totals: a run's target total also holds deferred
+    commits of accepted drafts, dropped speculative work and, with hybrid regeneration, partial schedules.
+    """
+    calls, seconds = target.calls, target.seconds
+    if not calls.get("denoise"):
+        return None
+    per_denoise = seconds["denoise"] / calls["denoise"]
+    context_kinds = [k for k in ("commit", "recompute") if calls.get(k)]
+    # A t=0 context pass has the shape of a denoising call; use that when none was measured.
+    per_context = sum(seconds[k] for k in context_kinds) / sum(calls[k] for k in context_kinds) if context_kinds else per_denoise
+    passes_per_context = 1 if target.context.name == "global_cache" else getattr(target.context, "context_frames", 3) // max(1, target.frames_per_block) or 1
+    return per_denoise * target.schedule.num_steps * num_blocks + per_context * passes_per_context * (num_blocks - 1)
+
+
+def free_tau_interval(records: list[BlockRecord], options, router) -> dict | None:
+    """The range of tau that changes no decision of this run, in the space tau is compared in: above the highest
+    rejected value, up to the lowest accepted one (``None`` ends: unbounded; a draft is kept when value >= tau).
+
+    ``fixed``: the value is the draft's block score. The reference modes (``relative``, ``anchor``, ``baseline``): the
+    margin ``block_score - reference_score`` (tau is a margin there); a replay re-decides each recorded draft against
+    its recorded reference, which stays the same while no earlier decision changes, so the margins are exactly what a
+    replay compares. Each drafted block flips when tau crosses its own value (``flip_tau_per_block``), so moving tau
+    inside the interval replays the whole run for free (see :mod:`sdvg_engine.memo`).
+
+    Keys: ``above``, ``up_to``, ``flip_tau_per_block``, ``exact`` (False with cascade scoring, whose early decisions
+    saw only some frames); in the reference modes also ``compared`` (what the values are, e.g. ``"score - last
+    committed block"``) and ``tau_mode``. ``None`` when no router decided (other modes) or tau adapts
+    (``accept_rate``: its thresholds move with the scores)."""
+    mode = getattr(router, "tau_mode", "fixed")
+    reference_mode = bool(getattr(router, "uses_reference", False))
+    if not options.scores_drafts or router is None or (mode != "fixed" and not reference_mode):
+        return None
+
+    def compared(d):
+        if d is None:
+            return None
+        value = d.block_score if not reference_mode else (
+            None if d.reference_score is None else float(d.block_score) - float(d.reference_score))
+        return value if value is not None and math.isfinite(value) else None
+
+    values = [compared(r.decision) for r in records]
+    rejected = [v for r, v in zip(records, values) if v is not None and not r.decision.accept]
+    accepted = [v for r, v in zip(records, values) if v is not None and r.decision.accept]
+    interval = {"above": max(rejected) if rejected else None, "up_to": min(accepted) if accepted else None,
+                "flip_tau_per_block": values, "exact": not options.cascade}
+    if reference_mode:
+        interval.update(compared=COMPARED_QUANTITY.get(mode, "score - reference"), tau_mode=mode)
+    return interval
+
+
+def _json_number(x: float):
+    return float(x) if math.isfinite(x) else str(x)

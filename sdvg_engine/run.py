@@ -1,0 +1,321 @@
+"""What one generation holds while it runs, and how it starts.
+
+:class:`Run` is the whole state of one call of :meth:`SpeculativePipeline.stream`: the pipeline object itself holds
+no half-run state. Each field says who writes it and when. Three kinds of field:
+
+* **set once** by :func:`start_run` on the caller's thread, before any block; read-only afterwards;
+* **the loop's state**, written only on the main thread by the loop, in block order (:meth:`Run.advance` is the
+  one writer of the routing state a later draft reads; a replay restores it through the same method);
+* **the output**, appended on the main thread when a block is final (:meth:`Run.append_block`).
+
+Worker threads never write a :class:`Run`: what a task needs is handed to it when it is submitted.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .checks import check_int
+from .memo import Recording, ReplayPlan, plan_replay
+from .options import CancelToken, GenerationCancelled, SDVGOptions
+from .replay_key import replay_key
+from .report import BlockRecord, ComponentTimer, Lap
+from .router import RandomRouter, RouteDecision, TauState
+from .sampling import NoiseSource, SeededNoise
+from .workers import COMPONENTS, StoppedByOtherWorker, Workers, plan_lanes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .generator import CausalGenerator
+    from .pipeline import SpeculativePipeline
+
+TEXT_LEN = 512
+SEED_RANGE = (0, 2**64 - 1)  # SeededNoise takes no negative seed; 2**64 - 1 is the largest a ComfyUI seed widget gives
+
+
+@dataclass(eq=False)
+class Run:
+    """The state of one generation (see the module docstring for the three kinds of field)."""
+
+    # ---- set once by start_run (caller's thread), read-only afterwards -------------------------------------------
+    options: SDVGOptions
+    num_blocks: int
+    noise: NoiseSource
+    prompt: str
+    seed: int
+    width: int
+    height: int
+    num_frames: int
+    frames_per_block: int
+    workers: Workers
+    cancel: CancelToken | None = None
+    before_call: Callable[[str, str], None] | None = None
+    #: the generators this mode runs (their contexts take every committed block)
+    active: list[CausalGenerator] = field(default_factory=list)
+    #: seconds per component of this run (its laps are written by whichever thread makes the call; it has a lock)
+    timer: ComponentTimer = field(default_factory=ComponentTimer)
+    #: the reward's prompt features, when the mode scores drafts
+    prompt_features: torch.Tensor | None = None
+    #: the adaptive threshold's running scores (the caller's, if carried); observed on the reward lane per draft
+    #: (the drafts are scored in block order) and on the main thread by a replay
+    tau_state: TauState | None = None
+    #: random mode's draws (decided before drafting)
+    random_router: RandomRouter | None = None
+
+    # ---- the loop's routing state: written on the main thread by advance(), in block order ---------------------------
+    #: the reward's ViT features of the last committed frame (a tensor, a Future of one, or None): the next draft's
+    #: seam term
+    previous_features: object = None
+    #: reference modes: each committed block's score (a float, a Future of one, or None where no reference reads it)
+    committed_scores: list = field(default_factory=list)
+
+    # ---- the output: appended on the main thread when a block is final (append_block) -------------------------------
+    records: list[BlockRecord] = field(default_factory=list)
+    frames: list[torch.Tensor] = field(default_factory=list)  # per block [T, H, W, 3] float32 0..1 (CPU)
+    latents: list[torch.Tensor] = field(default_factory=list)  # per block [B, C, F, h, w] float32 (CPU)
+    mask: list[torch.Tensor] = field(default_factory=list)  # per block [T]: 1 where the frames are a kept draft's
+    video_frames: int = 0  # frames appended so far
+    #: the timer's totals when the last block was final (take_block_seconds() reads the difference)
+    block_seconds: dict = field(default_factory=dict)
+
+    # ---- replay: set by start_run, then written on the main thread -------------------------------------------------
+    #: what a later run may replay (with a memo); blocks are added in order as they are final; released by the result
+    recording: Recording | None = None
+    #: the recording reached the memo's cap: later blocks are not recorded (and nothing more crosses to the host)
+    recording_full: bool = False
+    #: which blocks of an earlier run this one reuses (start_run; released by the result)
+    replay_plan: ReplayPlan | None = None
+    first_block: int = 0  # the first block this run generates (= the blocks replayed)
+    replayed_seconds: float = 0.0  # component seconds the replayed blocks took in the run that made them
+
+    # ---- what tasks call -------------------------------------------------------------------------------------------
+    def submit(self, component: str, fn, *args):
+        return self.workers.submit(component, fn, *args)
+
+    def check_cancel(self, component: str, kind: str) -> None:
+        """The cancel point before every model, VAE and reward call (any thread)."""
+        if self.cancel is not None and self.cancel.cancelled:
+            raise GenerationCancelled(f"generation cancelled before a {component} {kind}")
+        if self.workers.failed.is_set():
+            raise StoppedByOtherWorker(f"stopped before a {component} {kind}: another worker of this run failed "
+                                       f"({self.workers.first_error!r})")
+        if self.before_call is not None:
+            self.before_call(component, kind)
+
+    @property
+    def host_copies(self) -> dict | None:
+        """The recording's table of host copies while it still records (``None`` past the memo's cap or without a
+        memo): read on the main thread when a task is submitted, never later on a worker."""
+        return self.recording.host_copies if self.recording is not None and not self.recording_full else None
+
+    # ---- the loop's state ------------------------------------------------------------------------------------------
+    def advance(self, previous_features, committed_scores) -> None:
+        """The routing state after a committed (or replayed) block: the one place it is written."""
+        self.previous_features = previous_features
+        self.committed_scores = list(committed_scores)
+
+    def decided_before_drafting(self, b: int) -> RouteDecision | None:
+        """The decision of a block made before any draft: random mode's draw (``None`` in the other modes and for a
+        block 0 the target makes anyway)."""
+        if self.random_router is None or (b == 0 and self.options.target_first_block):
+            return None
+        return self.random_router.decide_block(b)
+
+    def target_makes(self, b: int) -> bool:
+        """Whether the target makes block ``b`` without a draft (:meth:`SDVGOptions.target_makes_block`)."""
+        draw = self.decided_before_drafting(b)
+        return self.options.target_makes_block(b, None if draw is None else draw.accept)
+
+    # ---- the output ------------------------------------------------------------------------------------------------
+    def append_block(self, index: int, source: str, drafted: bool, decision: RouteDecision | None,
+                     latents: torch.Tensor, frames: torch.Tensor, **record_fields) -> BlockRecord:
+        """Add a final block's frames ``[T, H, W, 3]``, latents (CPU float32) and mask, and its :class:`BlockRecord`."""
+        f0 = self.video_frames
+        self.video_frames += frames.shape[0]
+        self.latents.append(latents)
+        self.mask.append(torch.full((frames.shape[0],), 1.0 if source == "draft" else 0.0))
+        self.frames.append(frames)
+        fpb = self.frames_per_block
+        record = BlockRecord(index=index, source=source, drafted=drafted, decision=decision,
+                             latent_frames=(index * fpb, (index + 1) * fpb), video_frames=(f0, self.video_frames),
+                             frames=frames, **record_fields)
+        self.records.append(record)
+        return record
+
+    def take_block_seconds(self) -> dict:
+        """Component seconds since the previous block was final: what this block took (its own calls, and work of a
+        later block that overlapped it)."""
+        now = self.timer.seconds
+        spent = {k: v - self.block_seconds.get(k, 0.0) for k, v in now.items() if v - self.block_seconds.get(k, 0.0) > 0}
+        self.block_seconds = dict(now)
+        return spent
+
+
+def video_frames_to_latent_frames(num_frames: int, frames_per_block: int = 3) -> int:
+    """Wan's 1 + 4k rule, with whole blocks: valid lengths are 12n - 3 (9, 21, ..., 81) for 3-frame blocks."""
+    num_frames = check_int("num_frames", num_frames, fix="pass a whole number of video frames such as 81")
+    latent = (num_frames - 1) // 4 + 1
+    if num_frames < 1 or (num_frames - 1) % 4 or latent % frames_per_block:
+        step = 4 * frames_per_block
+        lower = max(step - 3, ((num_frames + 3) // step) * step - 3)
+        raise ValueError(
+            f"num_frames={num_frames} does not fill whole blocks of {frames_per_block} latent frames; "
+            f"use {lower} or {lower + step} (valid: 1 + 4*(3n) - 4 = {step - 3}, {2 * step - 3}, ..., 81)"
+        )
+    return latent
+
+
+def pad_text(prompt_embeds: torch.Tensor) -> torch.Tensor:
+    """Text context ``[1, L, D]`` with zero rows appended up to ``TEXT_LEN``, as the reference pads UMT5's output."""
+    if prompt_embeds.shape[1] >= TEXT_LEN:
+        return prompt_embeds
+    return torch.nn.functional.pad(prompt_embeds, (0, 0, 0, TEXT_LEN - prompt_embeds.shape[1]))
+
+
+def check_parts(drafter, target, vae, router) -> None:
+    """The parts of a :class:`SpeculativePipeline`: their types (a clear error instead of an AttributeError mid-run),
+    then whether the two models and the VAE fit together."""
+    from .generator import CausalGenerator
+
+    for name, gen in (("drafter", drafter), ("target", target)):
+        if not isinstance(gen, CausalGenerator):
+            raise ValueError(f"{name} must be a CausalGenerator, got {type(gen).__name__}; build it with "
+                             "sdvg_engine.load_generator(...)")
+    missing = [m for m in ("reset", "decode_block", "snapshot", "restore") if not callable(getattr(vae, m, None))]
+    if missing:
+        raise ValueError(f"vae must be a StreamingWanVAE (with reset, decode_block, snapshot, restore), got "
+                         f"{type(vae).__name__} (missing {', '.join(missing)}); load it with sdvg_engine.load_wan_vae(...)")
+    if router is not None and not all(callable(getattr(router, m, None)) for m in ("judge", "block_tau", "decide")):
+        raise ValueError(f"router must be a RewardRouter (or None outside sdvg mode), got {type(router).__name__}; wrap "
+                         "a scorer as RewardRouter(scorer, tau=...)")
+    d, t = drafter.model.config, target.model.config
+
+    def same(a, b):
+        return (tuple(a) if isinstance(a, (list, tuple)) else a) == (tuple(b) if isinstance(b, (list, tuple)) else b)
+
+    for key, what in (("in_channels", "latent channels"), ("out_channels", "output channels"),
+                      ("patch_size", "patch size"), ("text_dim", "text width")):
+        if not same(d[key], t[key]):
+            raise ValueError(
+                f"drafter and target are not compatible: the drafter has {what} {d[key]}, the target {t[key]}. "
+                "Both must be Wan2.1 text-to-video models sharing the VAE and text encoder."
+            )
+    if drafter.frames_per_block != target.frames_per_block:
+        raise ValueError(
+            f"drafter generates {drafter.frames_per_block} latent frames per block, "
+            f"the target {target.frames_per_block}; they must match"
+        )
+    z = getattr(vae, "latent_channels", d["in_channels"])
+    if z != d["in_channels"]:
+        raise ValueError(f"the VAE has {z} latent channels but the models use {d['in_channels']}; use the Wan2.1 VAE")
+
+
+def check_run_inputs(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, width, height, seed, options,
+                     noise) -> SDVGOptions:
+    """Refuse bad arguments of :meth:`SpeculativePipeline.stream` / ``generate`` with a ValueError naming the argument,
+    its value and the fix, before any model runs. Returns the options to use."""
+    if options is None:
+        options = SDVGOptions()
+    elif not isinstance(options, SDVGOptions):
+        raise ValueError(f"options must be an SDVGOptions, got {type(options).__name__} {str(options)[:80]}; pass "
+                         f"options=SDVGOptions(**your_dict) (from sdvg_engine import SDVGOptions)")
+    options.validate(pipe.router)
+    for name, value in (("width", width), ("height", height)):
+        check_int(name, value, fix=f"pass a positive multiple of 16 such as {name}={832 if name == 'width' else 480}")
+    if width % 16 or height % 16 or width <= 0 or height <= 0:
+        raise ValueError(f"width and height must be positive multiples of 16, got {width}x{height}; use e.g. "
+                         f"{max(16, width - width % 16)}x{max(16, height - height % 16)}")
+    check_int("seed", seed, low=SEED_RANGE[0], high=SEED_RANGE[1],
+              fix=f"pass a whole number in {SEED_RANGE[0]}..{SEED_RANGE[1]} (2**64 - 1), e.g. seed=42")
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string (the text the embeddings were made from; '' when no reward "
+                         f"scores drafts), got {type(prompt).__name__} {prompt!r}")
+    if not isinstance(prompt_embeds, torch.Tensor):
+        raise ValueError(f"prompt_embeds must be a torch.Tensor [1, L, {pipe.target.model.config.text_dim}], got "
+                         f"{type(prompt_embeds).__name__}; stack a list with torch.stack / load it with "
+                         "sdvg_engine.text_encoder.load_prompt_embeddings")
+    if prompt_embeds.is_meta:
+        raise ValueError("prompt_embeds is on the meta device (a shape without values); pass real embeddings on the "
+                         "CPU or the model's device")
+    if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != 1:
+        raise ValueError(f"text context must be [1, L, {pipe.target.model.config.text_dim}], got {tuple(prompt_embeds.shape)}")
+    if not torch.isfinite(prompt_embeds).all():
+        raise ValueError("the prompt embeddings (text context) contain NaN or inf; re-encode the prompt")
+    if options.scores_drafts and not prompt.strip():
+        raise ValueError(f"mode {options.mode!r}{' with schedule_veto' if options.mode == 'schedule' else ''} scores "
+                         "drafts against the prompt text, but prompt is empty; pass prompt=... (the text the "
+                         "embeddings were made from)")
+    return options
+
+
+def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, width, height, seed, options, noise, cancel,
+              before_call, tau_state, workers) -> Run:
+    """Check the inputs, plan the workers and the replay, and start the models on a new video: the :class:`Run`."""
+    previous = getattr(pipe, "_run", None)
+    if previous is not None:  # a stream left unfinished must not keep working on the models this run resets
+        previous.workers.abandon()
+    opts = check_run_inputs(pipe, prompt_embeds, prompt, num_frames, width, height, seed, options, noise)
+    fpb = pipe.target.frames_per_block
+    num_blocks = video_frames_to_latent_frames(num_frames, fpb) // fpb
+    prompt_embeds = pad_text(prompt_embeds)
+    if opts.refine_from_step is not None:
+        steps = pipe.drafter.schedule.num_steps
+        if not 1 <= opts.refine_from_step < steps:
+            raise ValueError(f"refine_from_step must be in 1..{steps - 1} for the drafter's {steps}-step schedule")
+        pipe.target.step_index(pipe.drafter.schedule.timesteps[opts.refine_from_step])
+    devices = {c: pipe._device(c) for c in COMPONENTS}
+    memo_key = None
+    if pipe.memo is not None and noise is None:  # an explicit noise source is not part of the key: never replayed
+        memo_key = replay_key(pipe, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices)
+    run = Run(options=opts, num_blocks=num_blocks, noise=noise or SeededNoise(seed), prompt=prompt, seed=seed,
+              width=width, height=height, num_frames=num_frames, frames_per_block=fpb, cancel=cancel,
+              before_call=before_call, workers=Workers(plan_lanes(opts.mode, devices, workers)))
+    run.timer.handover_sync = not run.workers.parallel
+    run.active = [g for g, used in ((pipe.drafter, opts.uses_drafter), (pipe.target, opts.uses_target)) if used]
+    try:
+        for gen in (pipe.drafter, pipe.target):
+            gen.before_call = run.check_cancel
+            gen.calls.clear()  # a model this mode does not use must not report a previous run's calls
+            gen.timer.clear()
+        for gen in run.active:
+            gen.start(prompt_embeds, latent_height=height // 8, latent_width=width // 8, num_blocks=num_blocks)
+        pipe.vae.reset()
+        if opts.scores_drafts:
+            run.prompt_features = pipe.router.scorer.encode_prompt(prompt)
+            run.tau_state = tau_state if tau_state is not None else pipe.router.new_tau_state()
+        if opts.mode == "random":  # the one mode whose decisions are drawn before drafting
+            run.random_router = RandomRouter(opts.random_accept_prob, seed, key=prompt)
+        if memo_key is not None:
+            run.recording = Recording(memo_key)
+            run.replay_plan = plan_replay(pipe.memo.lookup(memo_key), pipe.router, opts, run.tau_state)
+            run.first_block = run.replay_plan.reuse if run.replay_plan is not None else 0
+    except BaseException:
+        run.workers.__exit__(*sys.exc_info())
+        raise
+    pipe._run = run
+    return run
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN/inf. A meta tensor (the real-size dry run, :mod:`sdvg_engine.dry_run`) has no values
+    to check: True."""
+    return t.is_meta or bool(torch.isfinite(t).all())
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, where a run's results live; a meta tensor (the dry run) stays on meta, with no values to copy."""
+    return t if t.is_meta else t.cpu()
+
+
+def compact(t):
+    """A tensor holding only its own bytes: the seam features are the last row of a block's ``[N, 1024]`` features,
+    and a view would keep all N rows in the recording (``memo.recording_bytes`` counts one row per block)."""
+    if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+__all__ = ["Run", "start_run", "check_run_inputs", "video_frames_to_latent_frames", "pad_text", "TEXT_LEN", "Lap"]
