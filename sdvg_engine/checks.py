@@ -30,7 +30,8 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
     return value
 
 
-def check_optional_int(name: str, value, *, low: int | None = None, high: int | None = None, fix: str = "") -> int | None:
+def check_optional_int(name: str, value, *, low: int | None = None, high: int | None = None,
+                       fix: str = "") -> int | None:
     """``None`` or :func:`check_int`."""
     return None if value is None else check_int(name, value, low=low, high=high, fix=fix)
 
