@@ -368,9 +368,11 @@ def test_router_node_builds_adaptive_router(tmp_path):
                      "preprocess"]
     tail = {i.name: i for i in schema.REWARD_ROUTER.inputs[5:]}
     assert all(i.optional and i.tooltip for i in tail.values())
-    # fixed stays the default: workflows saved before tau_mode existed (which do not store it) keep the paper's router
+    # A node added from the menu starts on the shipped router (relative, -0.25); a workflow saved before tau_mode
+    # existed does not store it, and the node's logic then keeps the paper's fixed router (asserted below).
     assert (tail["tau_mode"].options, tail["tau_mode"].default) == (
-        ("fixed", "accept_rate", "relative", "anchor", "baseline"), "fixed")
+        ("fixed", "accept_rate", "relative", "anchor", "baseline"), "relative")
+    assert schema.REWARD_ROUTER.inputs[1].default == -0.25
     assert (tail["preprocess"].options, tail["preprocess"].default) == (("pil", "torch"), "pil")
     assert tail["accept_rate"].default == 0.73
 
