@@ -30,7 +30,7 @@ from sdvg_engine.vae import wan_vae_from_state_dict
 from sdvg_engine.context import make_context_scheme
 from sdvg_engine.generator import CausalGenerator
 from sdvg_engine import presets
-from sdvg_engine.loaders import load_generator, parse_dtype
+from sdvg_engine.loaders import LoadedDiT, build_pipeline, load_generator, parse_dtype
 from sdvg_engine.memo import ReplayMemo
 from sdvg_engine.offload import ResidentPart, check_offload_device, enable_block_offload
 from sdvg_engine.pipeline import SDVGOptions, SDVGResult, SpeculativePipeline, video_frames_to_latent_frames
@@ -618,9 +618,13 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     stream, vae_patcher = streaming_vae(vae, services)
     # Per-run objects: the cached SDVG_MODEL / SDVG_ROUTER values are never modified.
     run_router = router.new_router() if (scores_drafts and router is not None) else None
-    pipe = SpeculativePipeline(drafter_model.new_generator(preset), target_model.new_generator(preset), stream, run_router)
-    pipe.preset, pipe.workers = preset, (workers if workers == "auto" else int(workers))
-    pipe.memo = replay_memo_for(drafter_model, target_model) if replay else None
+    # The one pipeline builder (presets applied there); a loader's explicit context_scheme wins over the preset.
+    pipe = build_pipeline(LoadedDiT.of(drafter_model.model, drafter_model.info),
+                          LoadedDiT.of(target_model.model, target_model.info), stream, run_router, preset=preset,
+                          drafter_context=drafter_model.requested_context_scheme,
+                          target_context=target_model.requested_context_scheme,
+                          workers=workers if workers == "auto" else int(workers),
+                          memo=replay_memo_for(drafter_model, target_model) if replay else None)
 
     patchers = [drafter_model.patcher if mode != "target_only" else None,
                 target_model.patcher if mode != "draft_only" else None,
