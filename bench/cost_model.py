@@ -39,12 +39,13 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config  # noqa: E402
+from sdvg_engine.dry_run import MetaBytes  # noqa: E402
+from sdvg_engine.offload import dit_flops  # noqa: E402,F401  (the one DiT FLOP formula; checked in tests/test_cost_model.py)
 
 # ------------------------------------------------------------------------------------------------ hardware
 @dataclass(frozen=True)
@@ -101,34 +102,21 @@ class _SDPAAsFused(TorchFunctionMode):
                 out = func(*args, **kwargs)
             finally:
                 self.counter.depth -= 1
-            tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-            self.counter.bytes += sum(t.numel() * t.element_size() for t in tensors) + out.numel() * out.element_size()
+            self.counter.add_moved(list(args) + list(kwargs.values()) + [out])
             return out
         return func(*args, **kwargs)
 
 
-class ByteCounter(TorchDispatchMode):
-    """Bytes moved by eager execution without fusion: inputs + outputs of every non-view ATen op.
+class ByteCounter(MetaBytes):
+    """Bytes moved by eager execution without fusion: inputs + outputs of every non-view ATen op (the project's one
+    meta byte counter, :class:`sdvg_engine.dry_run.MetaBytes`, counting moved bytes only).
 
     An upper bound for one kernel per op (caches absorb some re-reads); weights are read once per use.
     Use with :func:`count_cost`, which also makes attention count as one fused kernel.
     """
 
-    _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
-             "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
-
     def __init__(self):
-        super().__init__()
-        self.bytes = 0
-        self.depth = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.depth == 0 and not func.is_view and func.overloadpacket.__name__ not in self._FREE:
-            flat, _ = torch.utils._pytree.tree_flatten((args, kwargs, out))
-            self.bytes += sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
-        return out
+        super().__init__(live=False, moved=True)
 
 
 @dataclass
@@ -149,28 +137,6 @@ def count_cost(fn: Callable[[], object]) -> Cost:
     with FlopCounterMode(display=False) as flops, bytes_counter, _SDPAAsFused(bytes_counter):
         fn()
     return Cost(float(flops.get_total_flops()), float(bytes_counter.bytes))
-
-
-def dit_flops(config: dict, query_tokens: int, key_tokens: int, frames: int, *, text_tokens: int = 512,
-              batch: int = 1) -> int:
-    """Closed-form FLOPs of one ``forward_block`` (multiply-add = 2 FLOPs; norms/RoPE/softmax not counted).
-
-    ``query_tokens`` tokens of ``frames`` latent frames attend to ``key_tokens`` keys (cached context + the block)
-    and to ``text_tokens`` cross-attention keys whose K/V are cached per prompt (not recomputed per call).
-    """
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    ffn, layers = config["ffn_dim"], config["num_layers"]
-    p_t, p_h, p_w = config["patch_size"]
-    patch = p_t * p_h * p_w
-    q = query_tokens
-    per_layer = (2 * q * d * d * 4            # self-attention q, k, v, o
-                 + 2 * 2 * q * key_tokens * d  # q k^T and attn v
-                 + 2 * q * d * d * 2           # cross-attention q, o
-                 + 2 * 2 * q * text_tokens * d
-                 + 2 * 2 * q * d * ffn)        # FFN up, down
-    embed = 2 * q * d * config["in_channels"] * patch + 2 * q * d * config["out_channels"] * patch
-    time = 2 * frames * (config["freq_dim"] * d + d * d + d * 6 * d)  # per-frame time MLP + projection
-    return batch * (layers * per_layer + embed + time)
 
 
 # ---------------------------------------------------------------------------------------- real architectures

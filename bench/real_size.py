@@ -81,7 +81,7 @@ def build_stack(args, device):
         from sdvg_engine.offload import enable_block_offload, kv_cache_dtype
 
         for model, streamed in ((drafter, args.offload == "both"), (target, args.offload in ("target", "both"))):
-            model.kv_cache_dtype = kv_cache_dtype(args.kv_dtype)
+            model.use_runtime(kv_cache_dtype=kv_cache_dtype(args.kv_dtype))
             if streamed:
                 model.blocks.to("cpu")
                 enable_block_offload(model, device, use_stream=device.type == "cuda")

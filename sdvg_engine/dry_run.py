@@ -2,32 +2,52 @@
 
 The Wan2.1 1.3B drafter, the 14B target, the Wan VAE and ImageReward-v1.0 are built with their real configs on
 ``torch.device("meta")``: every tensor has its real shape and dtype and no values, so nothing is computed and
-nothing is allocated. :func:`dry_run` then runs :meth:`SpeculativePipeline.generate` unchanged, through the real
-context schemes of a preset, the real worker layouts, fp8 KV caches, fp8 target weights, block streaming
-(the real :class:`~sdvg_engine.offload.BlockStreamer` schedule) and replay, and reports the bytes each category holds:
+nothing is allocated. :func:`dry_run` then runs :meth:`SpeculativePipeline.generate` unchanged, on a pipeline made by
+the project's one builder (:func:`sdvg_engine.loaders.build_pipeline`) under a preset, with the shipped default router
+(:func:`sdvg_engine.router.default_router_options`: relative routing, margin -0.25), through the real worker layouts,
+fp8 KV caches, fp8 target weights, block streaming (the real :class:`~sdvg_engine.offload.BlockStreamer` schedule) and
+replay, and reports the bytes each category holds:
 
 * **weights** (per component): the modules' parameters and buffers, each storage once. A streamed model counts its
   resident part plus the most blocks the streamer held at once (measured from ``BlockStreamer.loaded``).
 * **KV caches**: the self-attention cache (+ fp8 scales) and the prompt's cross-attention K/V of each model that ran.
-* **VAE decode cache**: the largest, over the run, of the causal decode cache plus the snapshots still alive (a
-  draft keeps the state from before its decode until it is judged), each tensor once.
+* **VAE decode cache**: the largest, over the run, of the causal decode cache plus the snapshots still alive, each
+  tensor once. A draft the router may reject (the modes that score drafts) keeps the VAE state from before its decode
+  until the router's verdict (kept: released; rejected: restored), so at most one older cache is alive beside the
+  current one; the modes that keep every draft take no snapshot.
 * **recording / memo** (host RAM): what a run keeps for replay (``report["replay"]``); checked against the cap.
-* **activations**: per model call, the peak live bytes of the tensors the call itself created (a
-  :class:`TorchDispatchMode` sees every op's outputs; a weakref finalizer per output tells when its storage dies;
-  views and in-place results count once, by storage). Limits: only tensors created *inside* a DiT, VAE or reward
-  call are counted (the loop's own small tensors between calls are not); the allocator's rounding and
+* **activations**: per model call, the peak live bytes of the tensors the call itself created (:class:`LiveBytes`,
+  a :class:`TorchDispatchMode` that sees every op's outputs; a weakref finalizer per output tells when its storage
+  dies; views and in-place results count once, by storage). Limits: only tensors created *inside* a DiT, VAE or
+  reward call are counted (the loop's own small tensors between calls are not); the allocator's rounding and
   fragmentation, CUDA workspaces and kernels that allocate internally (e.g. attention backends) are not seen.
 
-Values are never read: decisions come from :class:`ForcedScoreRouter`, which runs the real ImageReward forward on
-the meta frames (so its activations count; with ``preprocess="torch"``, as the default "pil" path needs the pixel
-values on the host) and returns forced block scores, so a tau change flips a chosen block (that is how replay is
-exercised). The finite checks of the loop say "nothing to check" for meta tensors, and attention on meta returns what
-a fused kernel allocates (``causal_wan._attention``), not the math fallback's score matrix.
+Values are never read: decisions come from :class:`ForcedScoreRouter`, the default router whose ImageReward calls
+return forced scores: the ``n``-th judged draft gets ``scores[n]``, a committed target block (which relative routing
+scores as the next draft's reference) gets ``target_score``. So the margin decides as usual, and a margin change
+flips exactly the blocks it crosses (that is how replay is exercised). The finite checks of the loop say "nothing to
+check" for meta tensors, and attention on the dry run's models returns what a fused kernel allocates (their
+``RuntimeSettings.fused_attention_on_meta``; ``causal_wan._attention``), not the math fallback's score matrix.
 
-Speed: a meta op costs the same as long as its shapes are the same, and a DiT call's output, its transient bytes
-and its effect (in-place writes to the KV cache, no values) are functions of its input shapes and the cache
-geometry. So the first call of each shape signature runs the real forward (every layer), and repeats replay its
-measured result (calling the streamer's hooks per layer, as the forward does). The VAE and ImageReward always run.
+**What runs for real and what is replayed.** A meta op costs the same as long as its shapes are the same, and a
+call's output, its transient bytes and its effect are functions of its input shapes (and of the cache geometry). So,
+per component, the *first* call of each shape signature runs the real forward on meta (every layer, measured), and
+every later call with the same signature *replays* the measured result without running the forward:
+
+* DiT ``forward_block`` / ``encode_text``: replayed calls return an empty output of the measured shape, check that
+  the block fits the KV cache and call the streamer's hooks per layer (as the forward does);
+* VAE ``decode_block``: replayed calls put new empty slots of the measured shapes in the decode cache and advance the
+  frame count (what the decode does to the streaming state); ``encode_frame`` (the recompute window's anchor)
+  always runs for real;
+* ImageReward: replayed calls skip the forward (the forced scores need no values).
+
+:class:`DryRunResult` counts both per component (``calls``, ``real_calls``, ``replayed_calls``, and ``shapes``, the
+distinct signatures; :meth:`DryRunResult.what_ran` says it in words). Configurations of one memory setting share their
+measurements (a shape measured by an earlier one is replayed); ``dry_run(..., remeasure=True)`` starts from none. So
+measured, at 832x480x81, reference preset, sdvg mode, one worker (7 blocks; drafts 3 and 6 rejected): the drafter makes 37 calls, 3
+of them real; the target 18, 3 real; the VAE decodes 9 blocks, 2 for real (block 0's 9 frames, one 12-frame block),
+and re-encodes 7 anchor frames, all real; ImageReward runs 10 times (6 drafts, 2 committed target blocks, 2 seam
+frames), 3 of them for real (9, 12 and 1 frame).
 """
 
 from __future__ import annotations
@@ -45,45 +65,69 @@ from torch.utils._pytree import tree_leaves
 from .loaders import LoadedDiT, build_pipeline, checkpoint_schedule
 from .memo import DEFAULT_MAX_BYTES, ReplayMemo
 from .memo import _tensors as state_tensors
-from .models import causal_wan
 from .models.causal_wan import CausalWanTransformer3DModel, TextKV, wan_config
 from .models.loading import build_model, quantize_blocks_fp8
 from .pipeline import MODES, SDVGOptions, SpeculativePipeline
 from .reward import FrameScores, ImageRewardConfig, ImageRewardModel, ImageRewardScorer
 from .reward.tokenizer import BlipTokenizer
-from .router import RewardRouter
+from .router import DEFAULT_ROUTER_OPTIONS, RewardRouter, default_router_options
 from .vae import StreamingWanVAE, load_wan21_vae_config
 
 META = torch.device("meta")
 GiB = 2**30
-#: block scores of the drafted blocks 1..6 (tau 0: accept, accept, reject, accept, accept, reject = 4/6). A second
-#: run at ``REPLAY_TAU`` flips only block 5 (score 0.3), so it replays blocks 0..4.
-DEFAULT_SCORES = (0.9, 0.5, -0.5, 0.8, 0.3, -0.2)
-REPLAY_TAU = 0.4
+#: block scores of the drafted blocks 1..6, and of every committed target block (relative routing scores those as
+#: the next draft's reference). Under the default router (relative, margin ``FIRST_TAU`` = -0.25) the drafts are
+#: accepted, accepted, rejected, accepted, accepted, rejected (4/6: see :func:`forced_decisions`); a fixed threshold
+#: of -0.25 would keep block 3 (0.1), which relative routing rejects (0.1 - 0.6 = -0.5). A second run at margin
+#: ``REPLAY_TAU`` flips only block 5 (0.2 - 0.3 = -0.1 < 0), so it replays blocks 0..4.
+DEFAULT_SCORES = (0.1, 0.6, 0.1, 0.3, 0.2, -0.4)
+TARGET_SCORE = 0.0
+FIRST_TAU = DEFAULT_ROUTER_OPTIONS["tau"]
+REPLAY_TAU = 0.0
 
 
 # ================================================================================================ byte accounting
-class LiveBytes(TorchDispatchMode):
-    """Peak live bytes of the tensors created by the ops run under this mode (in this thread).
+class MetaBytes(TorchDispatchMode):
+    """The project's one byte counter for model calls on the meta device (or real tensors): the ops run under this
+    mode (in this thread) are counted two ways, each switched on by its flag.
 
-    Each op output whose storage is new is counted once (views and in-place results of tracked storages add a
-    reference, outputs aliasing an input that was made elsewhere are not counted); a weakref finalizer on every
-    output releases the storage's bytes when its last tracked tensor dies.
+    * ``live=True`` (the dry run's :class:`LiveBytes`): ``live`` / ``peak`` bytes of the tensors the ops create. Each
+      op output whose storage is new is counted once (views and in-place results of tracked storages add a
+      reference, outputs aliasing an input that was made elsewhere are not counted); a weakref finalizer on every
+      output releases the storage's bytes when its last tracked tensor dies.
+    * ``moved=True`` (``bench/cost_model.py``'s ``ByteCounter``): ``bytes`` read and written by eager execution
+      without fusion, inputs + outputs of every non-view ATen op (an upper bound for one kernel per op; weights are
+      read once per use). ``depth > 0`` pauses it, for a caller that counts a fused kernel itself (:meth:`add_moved`).
     """
 
-    def __init__(self):
+    #: ops that move no bytes (allocation without a write, metadata)
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+            "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+
+    def __init__(self, *, live: bool = True, moved: bool = False):
         super().__init__()
+        self.count_live, self.count_moved = live, moved
         self.live = self.peak = 0
+        self.bytes = 0
+        self.depth = 0
         self._refs: dict[int, list[int]] = {}  # storage id -> [live tensors, nbytes]
         self._lock = threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t, inputs)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.count_moved and self.depth == 0 and not func.is_view and func.overloadpacket.__name__ not in self.FREE:
+            self.add_moved(tree_leaves((args, kwargs, out)))
+        if self.count_live:
+            inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._track(t, inputs)
         return out
+
+    def add_moved(self, values) -> None:
+        """Count the bytes of the tensors among ``values`` (each its own elements, not its storage's) as moved."""
+        self.bytes += sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
 
     def _track(self, t: torch.Tensor, inputs: set) -> None:
         storage = t.untyped_storage()
@@ -107,6 +151,13 @@ class LiveBytes(TorchDispatchMode):
                 if entry[0] == 0:
                     del self._refs[key]
                     self.live -= entry[1]
+
+
+class LiveBytes(MetaBytes):
+    """Peak live bytes of the tensors created by the ops run under this mode (:class:`MetaBytes` with ``live``)."""
+
+    def __init__(self):
+        super().__init__(live=True)
 
 
 def tensor_bytes(*values) -> int:
@@ -139,21 +190,26 @@ class _Probe:
         self.transient: dict[str, int] = {}
         self.calls: dict[str, int] = {}
         self.real_calls: dict[str, int] = {}  # calls that ran the forward (the rest replayed a measured signature)
+        self.shapes: dict[str, set] = {}  # the distinct call signatures this run used, measured now or before
 
-    def note(self, component: str, peak: int, real: bool) -> None:
+    def note(self, component: str, peak: int, real: bool, counted_as: str | None = None, key=None) -> None:
+        """One call of ``component`` (its lane's transient) with signature ``key``; counted under ``counted_as``
+        (default: ``component``)."""
         self.transient[component] = max(self.transient.get(component, 0), peak)
-        self.calls[component] = self.calls.get(component, 0) + 1
+        counted_as = counted_as or component
+        self.shapes.setdefault(counted_as, set()).add(key)
+        self.calls[counted_as] = self.calls.get(counted_as, 0) + 1
         if real:
-            self.real_calls[component] = self.real_calls.get(component, 0) + 1
+            self.real_calls[counted_as] = self.real_calls.get(counted_as, 0) + 1
 
 
-def _measured(probe_of, component: str, fn, *args, **kwargs):
+def _measured(probe_of, component: str, fn, *args, counted_as: str | None = None, key=None, **kwargs):
     """Run ``fn`` under a fresh :class:`LiveBytes` and note its peak on the current probe."""
     with LiveBytes() as live:
         out = fn(*args, **kwargs)
     probe = probe_of()
     if probe is not None:
-        probe.note(component, live.peak, real=True)
+        probe.note(component, live.peak, real=True, counted_as=counted_as, key=key)
     return out, live.peak
 
 
@@ -177,7 +233,8 @@ class MetaStack:
         self.streamed = {"drafter": offload == "both", "target": offload in ("target", "both")}
         self.max_loaded_blocks = {"drafter": 0, "target": 0}
         for name, model in (("drafter", self.drafter), ("target", self.target)):
-            model.kv_cache_dtype = kv_cache_dtype(kv_dtype)
+            # a meta model attends as a fused kernel allocates (RuntimeSettings.fused_attention_on_meta)
+            model.use_runtime(kv_cache_dtype=kv_cache_dtype(kv_dtype), fused_attention_on_meta=True)
             if self.streamed[name]:
                 self._stream(name, model)
             self._wrap_dit(name, model)
@@ -215,7 +272,8 @@ class MetaStack:
             def offload_(self):
                 pass
 
-        streamer = model.block_hooks = BlockStreamer([Group() for _ in model.blocks])
+        streamer = BlockStreamer([Group() for _ in model.blocks])
+        model.use_runtime(block_hooks=streamer)
         before = streamer.before
 
         def counted(layer, _before=before):
@@ -235,6 +293,7 @@ class MetaStack:
             known = self._signatures.get(key)
             if known is None:
                 out, peak = _measured(probe_of, name, forward, block_latents, timesteps, text_kv, kv_cache, start_frame,
+                                      key=key,
                                       attn_mask=attn_mask, cache_bias=cache_bias)
                 self._signatures[key] = (tuple(out.shape), out.dtype, peak)
                 return out
@@ -247,18 +306,18 @@ class MetaStack:
                     hooks.before(layer)
                     hooks.after(layer)
             if self.probe is not None:
-                self.probe.note(name, peak, real=False)
+                self.probe.note(name, peak, real=False, key=key)
             return torch.empty(shape, dtype=dtype, device=META)
 
         def encode_text(prompt_embeds):
             key = (name, "text", tuple(prompt_embeds.shape))
             if key not in self._signatures:
-                text_kv, peak = _measured(probe_of, name, encode, prompt_embeds)
+                text_kv, peak = _measured(probe_of, name, encode, prompt_embeds, key=key)
                 self._signatures[key] = ([(tuple(k.shape), k.dtype) for k in text_kv.keys], peak)
                 return text_kv
             shapes, peak = self._signatures[key]
             if self.probe is not None:
-                self.probe.note(name, peak, real=False)
+                self.probe.note(name, peak, real=False, key=key)
             return TextKV([torch.empty(s, dtype=d, device=META) for s, d in shapes],
                           [torch.empty(s, dtype=d, device=META) for s, d in shapes])
 
@@ -294,7 +353,7 @@ class MetaStack:
                 vae._stream_key = (latents.shape[0], latents.shape[3], latents.shape[4], vae.dtype)
                 pixels, real = torch.empty(shape, device=META), False
             if self.probe is not None:
-                self.probe.note("vae", peak, real=real)
+                self.probe.note("vae", peak, real=real, counted_as="vae decode", key=key)
             self.vae_cache_peak = max(self.vae_cache_peak, tensor_bytes(vae._feat_cache))
             held = tensor_bytes(vae._feat_cache, [s.feat_cache for s in list(self._snapshots)])
             self.vae_held_peak = max(self.vae_held_peak, held)
@@ -306,7 +365,9 @@ class MetaStack:
             return state
 
         vae.decode_block, vae.snapshot = decode_block, take_snapshot
-        vae.encode_frame = lambda pixels: _measured(probe_of, "vae", encode, pixels)[0]
+        # the recompute window's anchor re-encode: always run for real (counted apart from the decodes)
+        vae.encode_frame = lambda pixels: _measured(probe_of, "vae", encode, pixels, counted_as="vae encode",
+                                                    key=("vae encode", tuple(pixels.shape)))[0]
 
     # ---- weights
     def weight_bytes(self) -> dict[str, int]:
@@ -325,16 +386,27 @@ class MetaStack:
 
 
 class ForcedScoreRouter(RewardRouter):
-    """Runs the real ImageReward forward on the (meta) frames, then reports forced scores.
+    """The shipped default router (:func:`sdvg_engine.router.default_router_options`: relative, margin -0.25, unless
+    ``options`` say otherwise) whose ImageReward calls return forced scores.
 
-    The ``n``-th scored draft of a run gets ``scores[n]`` as every frame's score (so ``tau`` decides as usual, and a
-    tau change flips exactly the blocks it crosses); seam-feature calls (one frame) get a constant. Features are
-    ones on the CPU, as the real scorer hands them back (``[N, 1024]`` float32).
+    Each call runs the real ImageReward forward on the (meta) frames the first time its shapes are seen and replays
+    the measurement after that (see the module docstring). The ``n``-th judged draft of a run gets ``scores[n]`` as
+    every frame's score; a committed target block (scored by the reference modes) gets ``target_score``; a seam
+    feature call (one frame) gets 0, unused. Features are ones on the CPU, as the real scorer hands them back
+    (``[N, 1024]`` float32). ``preprocess="torch"``: the default "pil" path needs the pixel values on the host.
     """
 
-    def __init__(self, scorer, scores=DEFAULT_SCORES, *, tau: float = 0.0, **kw):
-        super().__init__(scorer, tau=tau, preprocess="torch", **kw)
-        self.scores, self.drafts = list(scores), 0
+    def __init__(self, scorer, scores=DEFAULT_SCORES, *, target_score: float = TARGET_SCORE, **options):
+        super().__init__(scorer, **{**default_router_options(options), "preprocess": "torch"})
+        self.scores, self.target_score, self.drafts = list(scores), float(target_score), 0
+        self._judging = threading.local()  # set while judge() scores a draft (on the reward lane's thread)
+
+    def judge(self, frames, prompt, **kwargs):
+        self._judging.on = True
+        try:
+            return super().judge(frames, prompt, **kwargs)
+        finally:
+            self._judging.on = False
 
     def score_frames(self, frames, prompt_features):
         from .reward.preprocess import _preprocess_torch
@@ -346,16 +418,32 @@ class ForcedScoreRouter(RewardRouter):
         stack = scorer._dry_stack
         key = ("reward", tuple(pixels.shape), tuple(ids.shape))
         if key not in stack._signatures:
-            stack._signatures[key] = _measured(lambda: stack.probe, "reward", scorer.model, pixels, ids, mask)[1]
+            stack._signatures[key] = _measured(lambda: stack.probe, "reward", scorer.model, pixels, ids, mask, key=key)[1]
         else:
-            stack.probe.note("reward", stack._signatures[key], real=False)
+            stack.probe.note("reward", stack._signatures[key], real=False, key=key)
         n = frames.shape[0]
-        if n > 1:
+        if getattr(self._judging, "on", False):
             value = self.scores[self.drafts % len(self.scores)] if self.scores else 0.0
             self.drafts += 1
         else:
-            value = 0.0
+            value = self.target_score if n > 1 else 0.0
         return FrameScores(torch.full((n,), float(value)), torch.ones(n, scorer.config.vision_width))
+
+
+def forced_decisions(scores=DEFAULT_SCORES, tau: float = FIRST_TAU, *, tau_mode: str = "relative",
+                     target_score: float = TARGET_SCORE) -> list[bool]:
+    """The verdicts :class:`ForcedScoreRouter` gives drafted blocks 1..len(scores) in sdvg mode (block 0 by the
+    target), worked out by hand from the router's rule (:meth:`RewardRouter.reference_of`): ``fixed`` accepts a
+    score >= tau; ``relative`` / ``anchor`` / ``baseline`` accept ``score - reference >= tau``, the reference being the
+    last committed block's score / block 0's / their mean (a rejected draft's block is the target's: ``target_score``)."""
+    committed, verdicts = [target_score], []
+    for score in scores:
+        reference = {"fixed": 0.0, "relative": committed[-1], "anchor": committed[0],
+                     "baseline": sum(committed) / len(committed)}[tau_mode]
+        accept = score - reference >= tau
+        verdicts.append(accept)
+        committed.append(score if accept else target_score)
+    return verdicts
 
 
 # ================================================================================================ the run
@@ -369,7 +457,7 @@ class DryRunConfig:
     kv_dtype: str = "auto"
     fp8_target: bool = False
     offload: str = "none"
-    replay: bool = False  # run twice (tau 0, then REPLAY_TAU) with a ReplayMemo: the second run replays
+    replay: bool = False  # run twice (margin FIRST_TAU, then REPLAY_TAU) with a ReplayMemo: the second run replays
 
     @property
     def label(self) -> str:
@@ -390,13 +478,24 @@ class DryRunResult:
     host: dict  # category -> bytes
     report: dict  # the (last) run's report
     seconds: float
-    calls: dict = field(default_factory=dict)  # component -> model calls (real forwards in real_calls)
-    real_calls: dict = field(default_factory=dict)
+    calls: dict = field(default_factory=dict)  # component -> model calls, over every run of the configuration
+    real_calls: dict = field(default_factory=dict)  # component -> calls that ran the forward on meta
     transients: dict = field(default_factory=dict)  # component -> largest per-call transient
+    shapes: dict = field(default_factory=dict)  # component -> distinct call signatures (each measured once per stack)
 
     @property
     def device_total(self) -> int:
         return sum(self.device.values())
+
+    @property
+    def replayed_calls(self) -> dict:
+        """component -> calls that replayed an earlier call's measurement instead of running (module docstring)."""
+        return {c: n - self.real_calls.get(c, 0) for c, n in self.calls.items()}
+
+    def what_ran(self) -> str:
+        """Per component, how many calls ran the real forward on meta and how many replayed a measured shape."""
+        return "; ".join(f"{c}: {n} calls, {self.real_calls.get(c, 0)} real, {self.replayed_calls[c]} replayed "
+                         f"({self.shapes.get(c, 0)} shapes)" for c, n in self.calls.items())
 
 
 _STACKS: dict = {}
@@ -427,37 +526,41 @@ def pipeline_for(stack: MetaStack, preset: str, router) -> SpeculativePipeline:
 
 
 def dry_run(config: DryRunConfig, *, width: int = 832, height: int = 480, num_frames: int = 81,
-            scores=DEFAULT_SCORES, max_bytes: int = DEFAULT_MAX_BYTES) -> DryRunResult:
-    """Run one configuration at real size on the meta device and account its bytes (see the module docstring)."""
+            scores=DEFAULT_SCORES, max_bytes: int = DEFAULT_MAX_BYTES, remeasure: bool = False) -> DryRunResult:
+    """Run one configuration at real size on the meta device and account its bytes (see the module docstring).
+
+    The stack of a memory setting is shared by the configurations that use it, with its measured call signatures:
+    a shape an earlier configuration measured is replayed here too (``real_calls`` counts the forwards run by this
+    configuration, ``shapes`` the distinct signatures it used). ``remeasure=True`` forgets them first, so the counts
+    are this configuration's alone (slower: every shape's first call runs the forward again)."""
     started = time.perf_counter()
     stack = meta_stack(fp8_target=config.fp8_target, offload=config.offload, kv_dtype=config.kv_dtype)
     stack.probe, stack.vae_cache_peak, stack.vae_held_peak = _Probe(), 0, 0
+    if remeasure:  # measure every shape again: this configuration's real / replayed counts then stand alone
+        stack._signatures.clear()
     stack.max_loaded_blocks = {k: 0 for k in stack.max_loaded_blocks}
-    router = ForcedScoreRouter(stack.scorer, scores)
+    router = ForcedScoreRouter(stack.scorer, scores)  # the shipped default router (relative), forced scores
     stack.scorer._dry_stack = stack
     pipe = pipeline_for(stack, config.preset, router)
     pipe.memo = ReplayMemo(max_bytes) if config.replay else None
-    options = SDVGOptions(mode=config.mode, schedule_every=3)
+    options = SDVGOptions(mode=config.mode)  # the defaults of every other option (schedule_every: SDVGOptions')
     ctx = text_context()
-    taus = (0.0, REPLAY_TAU) if config.replay else (0.0,)
-    causal_wan.FUSED_ATTENTION_ON_META = True
-    try:
-        for tau in taus:
-            # The scores follow the drafted blocks in order; a replayed run scores only the drafts after its prefix.
-            router.tau, router.drafts = tau, replayed_drafts(scores, taus[0], tau) if tau != taus[0] else 0
-            result = pipe.generate(ctx, prompt="a corgi running on a beach", num_frames=num_frames, width=width,
-                                   height=height, seed=42, options=options, workers=config.workers)
-            assert result.frames.shape == (num_frames, height, width, 3), result.frames.shape
-    finally:
-        causal_wan.FUSED_ATTENTION_ON_META = False
+    taus = (router.tau, REPLAY_TAU) if config.replay else (router.tau,)
+    for tau in taus:
+        # The scores follow the drafted blocks in order; a replayed run scores only the drafts after its prefix.
+        router.tau, router.drafts = tau, replayed_drafts(scores, taus[0], tau) if tau != taus[0] else 0
+        result = pipe.generate(ctx, prompt="a corgi running on a beach", num_frames=num_frames, width=width,
+                               height=height, seed=42, options=options, workers=config.workers)
+        assert result.frames.shape == (num_frames, height, width, 3), result.frames.shape
     probe, report = stack.probe, result.report
     device = {f"weights: {k}": v for k, v in stack.weight_bytes().items()}
     for gen in (pipe.drafter, pipe.target):
         if gen.kv_cache is not None:
             device[f"KV cache: {gen.name}"] = gen.kv_cache.nbytes + gen.text_kv.nbytes
     device["VAE decode cache"] = stack.vae_cache_peak
-    # A draft's decode keeps the state from before it (to roll back on reject); the loop keeps it until the block is
-    # finished, one block later, so up to two older caches are alive beside the current one.
+    # A draft the router may reject keeps the state from before its decode until the router's verdict (kept: let go;
+    # rejected: restored), so at most one older cache is alive beside the current one; the modes that keep every
+    # draft keep none (the pipeline's _decode_draft / _keep_draft / _restore).
     device["VAE decode cache: older states kept by snapshots"] = stack.vae_held_peak - stack.vae_cache_peak
     lanes = result.report["settings"]["workers"]["lanes"]
     per_lane: dict = {}
@@ -469,16 +572,17 @@ def dry_run(config: DryRunConfig, *, width: int = 832, height: int = 480, num_fr
     host = {"recording (one run)": replay["recording_bytes"], "memo (all kept recordings)": replay["memo_bytes"]}
     return DryRunResult(config=config, device=device, host=host, report=report,
                         seconds=time.perf_counter() - started, calls=dict(probe.calls),
-                        real_calls=dict(probe.real_calls), transients=dict(probe.transient))
+                        real_calls=dict(probe.real_calls), transients=dict(probe.transient),
+                        shapes={c: len(k) for c, k in probe.shapes.items()})
 
 
-def replayed_drafts(scores, tau_before: float, tau_after: float) -> int:
+def replayed_drafts(scores, tau_before: float, tau_after: float, *, tau_mode: str = "relative",
+                    target_score: float = TARGET_SCORE) -> int:
     """How many drafted blocks a run at ``tau_after`` replays from one at ``tau_before`` (every block before the first
-    decision that changes; sdvg mode, every block after block 0 drafted)."""
-    for i, score in enumerate(scores):
-        if (score >= tau_before) != (score >= tau_after):
-            return i
-    return len(scores)
+    decision that changes, :func:`forced_decisions`; sdvg mode, every block after block 0 drafted)."""
+    before = forced_decisions(scores, tau_before, tau_mode=tau_mode, target_score=target_score)
+    after = forced_decisions(scores, tau_after, tau_mode=tau_mode, target_score=target_score)
+    return next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), len(scores))
 
 
 def configurations() -> list[DryRunConfig]:

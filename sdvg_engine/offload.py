@@ -28,6 +28,7 @@ import torch
 __all__ = [
     "OFFLOAD_CHOICES", "KV_DTYPES", "BlockStreamer", "ResidentPart", "enable_block_offload", "check_offload_device",
     "kv_cache_dtype", "MemorySettings", "plan_memory", "wan_param_counts", "WAN_VAE_PARAMS", "IMAGE_REWARD_PARAMS",
+    "dit_flops",
 ]
 
 #: ``offload`` values of the CLI, the loader nodes and :func:`plan_memory`.
@@ -81,7 +82,7 @@ def load_device_for(offload, device, name: str = "model", compile: bool = False,
 
 def apply_memory_options(model, device, *, offload="none", kv_dtype: str = "auto") -> None:
     """``load_generator``'s ``offload`` / ``kv_dtype`` on a loaded model (see :func:`load_device_for`)."""
-    model.kv_cache_dtype = kv_cache_dtype(kv_dtype)
+    model.use_runtime(kv_cache_dtype=kv_cache_dtype(kv_dtype))
     if _streams(offload):
         enable_block_offload(model, device)
 
@@ -186,7 +187,8 @@ def enable_block_offload(model, device: "str | torch.device", *, offload_device:
         disk_path: keep the offloaded blocks in safetensors files here instead of RAM (diffusers'
             ``offload_to_disk_path``; slow, for machines short of RAM).
     Returns:
-        the :class:`BlockStreamer`, also set as ``model.block_hooks``; ``model.device`` reports ``device``.
+        the :class:`BlockStreamer`, also the model's ``block_hooks`` (:meth:`use_runtime`); ``model.device`` reports
+        ``device``.
     """
     from diffusers.hooks import apply_group_offloading
 
@@ -219,7 +221,7 @@ def enable_block_offload(model, device: "str | torch.device", *, offload_device:
                            num_blocks_per_group=1, use_stream=use_stream, record_stream=use_stream, **extra)
     groups = [block._diffusers_hook.get_hook(_GROUP_HOOK).group for block in model.blocks]
     streamer = BlockStreamer(groups, stream=groups[0].stream if groups else None)
-    model.block_hooks = streamer
+    model.use_runtime(block_hooks=streamer)
     return streamer
 
 
@@ -275,9 +277,28 @@ def _kv_bytes(cfg, frames: int, tokens_per_frame: int, kv_dtype: str) -> float:
     return rows * per_row + text
 
 
-def _call_flops(cfg, tokens_q: int, tokens_kv: int) -> float:
-    c = wan_param_counts(cfg)
-    return 2 * c["block_linear"] * tokens_q + 4 * tokens_q * tokens_kv * c["dim"] * cfg["num_layers"]
+def dit_flops(config: dict, query_tokens: int, key_tokens: int, frames: int, *, text_tokens: int = 512,
+              batch: int = 1) -> int:
+    """Closed-form FLOPs of one ``forward_block`` (multiply-add = 2 FLOPs; norms/RoPE/softmax not counted): the one
+    DiT FLOP formula of the project (:func:`offload_slowdown` here, ``bench/cost_model.py``), checked against
+    ``torch.utils.flop_counter`` on the real architectures in ``tests/test_cost_model.py``.
+
+    ``query_tokens`` tokens of ``frames`` latent frames attend to ``key_tokens`` keys (cached context + the block)
+    and to ``text_tokens`` cross-attention keys whose K/V are cached per prompt (not recomputed per call).
+    """
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    ffn, layers = config["ffn_dim"], config["num_layers"]
+    p_t, p_h, p_w = config["patch_size"]
+    patch = p_t * p_h * p_w
+    q = query_tokens
+    per_layer = (2 * q * d * d * 4            # self-attention q, k, v, o
+                 + 2 * 2 * q * key_tokens * d  # q k^T and attn v
+                 + 2 * q * d * d * 2           # cross-attention q, o
+                 + 2 * 2 * q * text_tokens * d
+                 + 2 * 2 * q * d * ffn)        # FFN up, down
+    embed = 2 * q * d * config["in_channels"] * patch + 2 * q * d * config["out_channels"] * patch
+    time = 2 * frames * (config["freq_dim"] * d + d * d + d * 6 * d)  # per-frame time MLP + projection
+    return batch * (layers * per_layer + embed + time)
 
 
 @dataclass(frozen=True)
@@ -386,7 +407,7 @@ def offload_slowdown(*, offload: str, fp8_target: bool, width: int = 832, height
     timing = {}
     for role, cfg, fp8, frames, streamed in (("drafter", d_cfg, False, drafter_frames, offload == "both"),
                                              ("target", t_cfg, fp8_target, 6, offload != "none")):
-        compute = _call_flops(cfg, q, frames * tpf) / (tflops * 1e12)
+        compute = dit_flops(cfg, q, frames * tpf, 3) / (tflops * 1e12)  # a 3-latent-frame block after its context
         total, outside = _weights_bytes(cfg, fp8)
         transfer = (total - outside) / (pcie_gbs * 1e9) if streamed else 0.0
         offloaded = max(compute, transfer) + transfer / cfg["num_layers"] if streamed else compute

@@ -1,4 +1,5 @@
-"""Writing frames ``[T, H, W, 3]`` (float 0..1) to MP4 (PyAV), animated WebP or PNG frames (Pillow)."""
+"""Writing frames ``[T, H, W, 3]`` (float 0..1) to MP4 (PyAV), animated WebP or PNG frames (Pillow): the project's one
+video writer (the CLI, the toy demo)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def atomic_output(path: str | os.PathLike, *, overwrite: bool = True):
             tmp.unlink()
 
 
-def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: int = FPS, *, overwrite: bool = True) -> Path:
+def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: int = FPS, *, overwrite: bool = True,
+                scale: int = 1, lossless: bool = False) -> Path:
     """Write ``frames`` to ``path``; the suffix picks the format (``.mp4``, ``.webp``, or a folder for PNGs).
+
+    ``scale``: enlarge each pixel to ``scale x scale`` (nearest neighbour; the toy world's 32-pixel frames);
+    ``lossless``: a lossless WebP (else quality 90).
 
     An ``.mp4`` request without PyAV installed raises (``pip install av``) rather than silently
     writing something else; callers that want a fallback choose it with :func:`default_video_suffix`.
@@ -63,14 +68,18 @@ def write_video(frames: torch.Tensor, path: str | os.PathLike, fps: int = FPS, *
         raise ValueError(f"unknown video format '{path.suffix}' for {path}: use .mp4, .webp or a folder name")
     if path.suffix == ".mp4" and not have_pyav():
         raise RuntimeError(f"writing {path} needs PyAV (pip install av); or ask for .webp")
+    if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
+        raise ValueError(f"scale must be a whole number >= 1, got {scale!r}")
     pixels = to_uint8(frames)
+    if scale > 1:
+        pixels = pixels.repeat(scale, axis=1).repeat(scale, axis=2)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path, overwrite=overwrite) as tmp:
-        _write_pixels(pixels, path.suffix, tmp, fps)
+        _write_pixels(pixels, path.suffix, tmp, fps, lossless=lossless)
     return path
 
 
-def _write_pixels(pixels: np.ndarray, suffix: str, path: Path, fps: int) -> None:
+def _write_pixels(pixels: np.ndarray, suffix: str, path: Path, fps: int, *, lossless: bool = False) -> None:
     if suffix == ".mp4":
         import av
 
@@ -89,8 +98,8 @@ def _write_pixels(pixels: np.ndarray, suffix: str, path: Path, fps: int) -> None
 
     images = [Image.fromarray(f) for f in pixels]
     if suffix == ".webp":
-        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0, lossless=False,
-                       quality=90, format="WEBP")
+        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0,
+                       lossless=lossless, quality=90, format="WEBP")
         return
     path.mkdir(parents=True, exist_ok=True)
     for i, image in enumerate(images):

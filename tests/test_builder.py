@@ -4,6 +4,7 @@ refuse bad paths and devices before anything loads."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,3 +137,27 @@ def test_load_pipeline_refuses_bad_input_before_loading(monkeypatch, kwargs, mes
     args = {**dict(drafter="d.safetensors", target="t.safetensors", vae="vae.safetensors"), **kwargs}
     with pytest.raises(ValueError, match=message):
         load_pipeline(**args)
+
+
+# ------------------------------------------------------------------------------------------------ one video writer
+def test_the_toy_demo_writes_its_videos_through_video_io(tmp_path, monkeypatch):
+    """The demo's clips go through sdvg_engine.video_io.write_video (the CLI's writer): a lossless WebP whose pixels
+    are the frames enlarged 4x, exactly."""
+    from PIL import Image, ImageSequence
+
+    from sdvg_engine import video_io
+    from sdvg_engine.toy import demo
+
+    calls = []
+    real = video_io.write_video
+    monkeypatch.setattr(video_io, "write_video", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(video_io, "have_pyav", lambda: False)  # WebP only: no H.264 encoder needed here
+    frames = torch.rand(5, 8, 6, 3, generator=torch.Generator().manual_seed(0))
+    written = demo.write_video(frames, tmp_path / "clip", scale=4, fps=12)
+    assert written == [str(tmp_path / "clip.webp")] and calls == [{"scale": 4, "lossless": True}]
+    with Image.open(written[0]) as image:
+        read = [torch.tensor(np.array(f.convert("RGB"))) for f in ImageSequence.Iterator(image)]
+    expected = torch.from_numpy(video_io.to_uint8(frames)).repeat_interleave(4, 1).repeat_interleave(4, 2)
+    assert torch.equal(torch.stack(read), expected)
+    with pytest.raises(ValueError, match="scale must be a whole number >= 1, got 0"):
+        video_io.write_video(frames, tmp_path / "bad.webp", scale=0)

@@ -34,7 +34,7 @@ def _as_loaded(model):
 
 
 def _latents(model, kv_dtype, scheme: str, blocks: int = 4) -> torch.Tensor:
-    model.kv_cache_dtype = kv_dtype
+    model.use_runtime(kv_cache_dtype=kv_dtype)
     context = GlobalCache(21) if scheme == "global" else RecomputeWindow(3, anchor_encoder=tiny_vae())
     gen = CausalGenerator(model, schedule="self_forcing", context=context)
     gen.start(text_context(), latent_height=H, latent_width=W, num_blocks=blocks)

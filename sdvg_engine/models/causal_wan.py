@@ -16,7 +16,7 @@ latent height/width, ``L = F * (h/2) * (w/2)`` tokens, ``D`` model width, ``H`` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -90,18 +90,33 @@ def _linear_fp32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float(), bias)
 
 
-#: set by :func:`sdvg_engine.dry_run.dry_run` (all threads: its worker lanes run model calls too)
-FUSED_ATTENTION_ON_META = False
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How a loaded model runs, beside its weights: given when it is loaded or built
+    (:meth:`CausalWanTransformer3DModel.use_runtime`), read by its calls, never switched from outside mid-run.
+
+    * ``kv_cache_dtype``: dtype of the KV caches :meth:`~CausalWanTransformer3DModel.new_kv_cache` makes when none is
+      given (``None`` = the compute dtype; ``torch.float8_e4m3fn`` = fp8 storage with per-row scales, ``kv_cache.py``).
+    * ``block_hooks``: an object with ``before(layer)`` / ``after(layer)``, called around each transformer block's use
+      by ``forward_block`` and ``encode_text`` (block weight streaming: ``sdvg_engine/offload.py``).
+    * ``fused_attention_on_meta``: on meta tensors, attention returns what a fused (flash / memory-efficient) kernel
+      allocates, the output alone (the real-size dry run's models, :mod:`sdvg_engine.dry_run`); see :func:`_attention`.
+    """
+
+    kv_cache_dtype: "torch.dtype | None" = None
+    block_hooks: object = None
+    fused_attention_on_meta: bool = False
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, *,
+               fused_on_meta: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (q ``[B, H, L, d]``, k/v ``[B, H, L_kv, d]`` -> ``[B, H, L, d]``).
 
-    In the real-size dry run (:mod:`sdvg_engine.dry_run`, :data:`FUSED_ATTENTION_ON_META`) a meta call returns what a
-    fused (flash / memory-efficient) kernel allocates, the output alone: meta dispatch would otherwise take the math
-    fallback and build its ``[B, H, L, L_kv]`` scores, which a GPU run never holds. Elsewhere meta calls run the real
-    op, so FLOP counting on meta (bench/cost_model.py) still sees the attention."""
-    if q.is_meta and FUSED_ATTENTION_ON_META:
+    With ``fused_on_meta`` (a model's :attr:`RuntimeSettings.fused_attention_on_meta`: the real-size dry run's) a meta
+    call returns what a fused (flash / memory-efficient) kernel allocates, the output alone: meta dispatch would
+    otherwise take the math fallback and build its ``[B, H, L, L_kv]`` scores, which a GPU run never holds. Elsewhere
+    meta calls run the real op, so FLOP counting on meta (bench/cost_model.py) still sees the attention."""
+    if q.is_meta and fused_on_meta:
         if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
             raise ValueError(f"attention shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         return torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
@@ -144,12 +159,39 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
             )
         return (latent_height // p_h) * (latent_width // p_w)
 
-    #: dtype of the KV caches :meth:`new_kv_cache` makes when none is given (``None`` = the compute
-    #: dtype; ``torch.float8_e4m3fn`` = fp8 storage with per-row scales, see ``kv_cache.py``).
-    kv_cache_dtype: torch.dtype | None = None
-    #: optional object with ``before(layer)`` / ``after(layer)``, called around each transformer block's
-    #: use by :meth:`forward_block` and :meth:`encode_text` (block weight streaming: ``sdvg_engine/offload.py``).
-    block_hooks = None
+    #: the settings this model runs with (:class:`RuntimeSettings`); changed only through :meth:`use_runtime`
+    runtime: RuntimeSettings = RuntimeSettings()
+
+    def use_runtime(self, **settings) -> "CausalWanTransformer3DModel":
+        """Run with these :class:`RuntimeSettings` fields from now on (the loader's ``kv_dtype`` and ``offload``, the
+        dry run's attention); returns the model. Call it when the model is loaded or built, not during a run."""
+        unknown = set(settings) - set(RuntimeSettings.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown runtime settings {sorted(unknown)}; known: "
+                             f"{sorted(RuntimeSettings.__dataclass_fields__)}")
+        if settings.get("block_hooks") is not None and "forward_block" in vars(self):
+            raise ValueError("this model's forward_block is torch.compile'd; block streaming does not support compile "
+                             "(load it without compile)")
+        self.runtime = replace(self.runtime, **settings)
+        return self
+
+    @property
+    def kv_cache_dtype(self) -> "torch.dtype | None":
+        """:attr:`RuntimeSettings.kv_cache_dtype` (assigning it is kept for compatibility: it calls :meth:`use_runtime`)."""
+        return self.runtime.kv_cache_dtype
+
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, value) -> None:
+        self.use_runtime(kv_cache_dtype=value)
+
+    @property
+    def block_hooks(self):
+        """:attr:`RuntimeSettings.block_hooks` (assigning it is kept for compatibility: it calls :meth:`use_runtime`)."""
+        return self.runtime.block_hooks
+
+    @block_hooks.setter
+    def block_hooks(self, value) -> None:
+        self.use_runtime(block_hooks=value)
 
     def new_kv_cache(self, batch_size: int, latent_height: int, latent_width: int, capacity_frames: int,
                      *, dtype: torch.dtype | None = None) -> KVCache:
@@ -288,12 +330,12 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         v = v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.write_and_read(layer, start_frame, k, v)
-        out = _attention(q, k, v, attn_mask)
+        out = _attention(q, k, v, attn_mask, fused_on_meta=self.runtime.fused_attention_on_meta)
         return attn.to_out[0](out.transpose(1, 2).flatten(2))
 
     def _cross_attention(self, attn, x, text_k, text_v):
         q = attn.norm_q(attn.to_q(x)).unflatten(2, (self.num_heads, -1)).transpose(1, 2)
-        out = _attention(q, text_k, text_v)
+        out = _attention(q, text_k, text_v, fused_on_meta=self.runtime.fused_attention_on_meta)
         return attn.to_out[0](out.transpose(1, 2).flatten(2))
 
     def _attention_bias(self, kv_cache: KVCache, start_frame: int, num_frames: int, bias_frames, bias: float, dtype):

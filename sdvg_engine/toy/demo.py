@@ -260,31 +260,20 @@ def _to_uint8(frames: torch.Tensor, scale: int) -> np.ndarray:
 
 
 def write_video(frames: torch.Tensor, path: Path, *, scale: int = 4, fps: int = 12) -> list[str]:
-    from PIL import Image
+    """``path``.webp (lossless) and, with PyAV, ``path``.mp4, through the project's one writer
+    (:func:`sdvg_engine.video_io.write_video`), each pixel enlarged to ``scale x scale``."""
+    from ..video_io import have_pyav
+    from ..video_io import write_video as write
 
-    arr = _to_uint8(frames, scale)
-    images = [Image.fromarray(a) for a in arr]
-    webp = path.with_suffix(".webp")
-    images[0].save(webp, format="WEBP", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0, lossless=True)
-    written = [str(webp)]
-    try:
-        import av  # optional: without PyAV the demo writes WebP only (said once in the summary line)
-    except ImportError:
+    written = [str(write(frames, path.with_suffix(".webp"), fps, scale=scale, lossless=True))]
+    if not have_pyav():  # without PyAV the demo writes WebP only (said once in the summary line)
         return written
-    mp4 = path.with_suffix(".mp4")
+    import av
+
     try:
-        with av.open(str(mp4), mode="w") as container:
-            stream = container.add_stream("libx264", rate=fps)
-            stream.width, stream.height, stream.pix_fmt = arr.shape[2], arr.shape[1], "yuv420p"
-            for a in arr:
-                for packet in stream.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
-                    container.mux(packet)
-            for packet in stream.encode():
-                container.mux(packet)
-        written.append(str(mp4))
+        written.append(str(write(frames, path.with_suffix(".mp4"), fps, scale=scale)))
     except (av.error.FFmpegError, ValueError) as exc:  # PyAV built without an H.264 encoder
         print(f"  (no MP4 for {path.name}: {exc}; the WebP is written)")
-        mp4.unlink(missing_ok=True)
     return written
 
 
