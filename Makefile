@@ -6,16 +6,22 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: venv test demo bench clean e2e gpu-check
 
+# --no-compile: byte-compiling every installed file (torch alone has thousands) cost ~30 s of CPU on a fresh clone;
+# Python compiles the few modules a run imports as it imports them.
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPY) -m pip install -q -e ".[test,video]"
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q --no-compile -e ".[test,video]"
 	touch $@
 
 venv: $(VENV)/.installed
 
+# One pytest worker per core (tests/conftest.py keeps torch to one thread each). Whole files go to a worker, so a
+# module's fixtures are built once, in collection order, files holding `slow` tests first (tests/conftest.py).
+# The ten slowest tests are listed at the end. `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= 2
 test: venv
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 # Every benchmark figure in README.md, each printed side by side in one run (CPU; see real_size.py for GPUs).
 bench: venv
