@@ -161,3 +161,50 @@ def test_compiled_forward_block_matches_eager_and_writes_the_cache(text):
     (c_eager, out_eager), (c_comp, out_comp) = caches
     assert (out_eager - out_comp).abs().max().item() <= 1e-5
     assert torch.allclose(c_eager.keys, c_comp.keys, atol=1e-5) and torch.allclose(c_eager.values, c_comp.values, atol=1e-5)
+
+
+def test_runtime_settings_are_the_models_own_and_passed_in(text):
+    """kv_cache_dtype, block_hooks and the meta attention are per-model RuntimeSettings given through use_runtime;
+    no module global: two meta models, one attending as a fused kernel allocates, the other through the real op, in
+    two threads at once."""
+    import threading
+
+    from sdvg_engine.models.causal_wan import RuntimeSettings
+
+    fused, plain = tiny_wan(seed=0), tiny_wan(seed=0)
+    assert fused.use_runtime(fused_attention_on_meta=True) is fused
+    assert fused.runtime == RuntimeSettings(fused_attention_on_meta=True) and plain.runtime == RuntimeSettings()
+    seen = {}
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def run(name, model):
+        meta = model.to("meta")
+        with torch.device("meta"):
+            q = torch.zeros(1, 2, 6, 8)
+        with Spy() as spy:
+            out = __import__("sdvg_engine.models.causal_wan", fromlist=["_attention"])._attention(
+                q, q, q, fused_on_meta=meta.runtime.fused_attention_on_meta)
+        seen[name] = (out.shape, spy.ops)
+
+    threads = [threading.Thread(target=run, args=(n, m)) for n, m in (("fused", fused), ("plain", plain))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["fused"] == (torch.Size([1, 2, 6, 8]), {"empty"})  # the output alone, as a fused kernel allocates
+    assert seen["plain"][0] == torch.Size([1, 2, 6, 8]) and seen["plain"][1] - {"empty"}  # the real op's work
+    model = tiny_wan(seed=0)
+    model.use_runtime(kv_cache_dtype=torch.float16)
+    assert model.kv_cache_dtype == torch.float16 and model.new_kv_cache(1, 4, 6, 3).geometry.dtype == torch.float16
+    model.kv_cache_dtype = None  # the old assignment still works, through use_runtime
+    assert model.runtime.kv_cache_dtype is None
+    with pytest.raises(ValueError, match=r"unknown runtime settings \['kv_dtype'\]"):
+        model.use_runtime(kv_dtype="fp8")
