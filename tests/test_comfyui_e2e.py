@@ -209,6 +209,7 @@ def test_object_info_matches_the_schemas(server):
             if spec.node_id.startswith("SDVG"):
                 assert opts.get("tooltip") == i.tooltip
                 assert bool(opts.get("lazy")) == i.lazy and bool(opts.get("control_after_generate")) == i.control_after_generate
+                assert bool(opts.get("advanced")) == i.advanced, (spec.node_id, i.name)  # folded by newer frontends
         assert info["output"] == [o.type for o in spec.outputs], spec.node_id
         assert info["output_node"] == spec.is_output_node, spec.node_id
         if spec.node_id.startswith("SDVG"):
@@ -499,6 +500,7 @@ def _benign(message: str) -> bool:
     # fetches of remote resources); those are not the workflows' doing. ComfyUI 0.3.64's frontend (1.27.10) also
     # throws "Cannot read properties of undefined (reading 'id')" from its settings store at startup, with this pack
     # absent too (checked with --disable-all-custom-nodes and nothing whitelisted); it is not raised by loading ours.
-    known = ("Failed to load resource", "net::ERR_", "favicon")
+    # Frontend 1.58.1 polls the jobs endpoint of newer servers, which 0.3.64 answers with 404 (the server's age).
+    known = ("Failed to load resource", "net::ERR_", "favicon", "Failed to fetch jobs: 404")
     startup = "Cannot read properties of undefined (reading 'id')" in message and "addSetting" in message
     return startup or any(s in message for s in known)
