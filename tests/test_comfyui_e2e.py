@@ -335,6 +335,19 @@ def test_text_encoder_workflows_validate(server, name):
         assert error["node_type"] in ("CLIPLoader", "CLIPTextEncode"), error
 
 
+def test_advanced_options_node_wins_over_the_sampler_widgets(server):
+    """SDVG Advanced Options connected to the sampler's appended advanced_options input: its random_accept_prob 0
+    sends every block to the target although the sampler's own widget says 1."""
+    prompt = api_workflow("sdvg_prompt_embeddings", mode="random", seed=9, random_accept_prob=1.0, replay=False)
+    defaults = {i.name: i.default for i in SPECS["SDVGAdvancedOptions"].inputs}
+    prompt["900"] = {"class_type": "SDVGAdvancedOptions",
+                     "inputs": {**defaults, "random_accept_prob": 0.0, "replay": False}}
+    prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["advanced_options"] = ["900", 0]
+    entry = server.wait(server.queue(prompt))
+    report = _check_outputs(server, prompt, entry, "random")
+    assert report["settings"]["random_accept_prob"] == 0.0 and report["decisions"] == ["target"] * 3
+
+
 def test_offload_on_a_cpu_server_is_refused_by_the_loader(server):
     """``offload=blocks`` streams blocks to a CUDA GPU; ComfyUI --cpu gets the loader's explanation, and the
     next run (offload none, fp8 KV cache) works. (The streaming itself is tested on the node logic:
