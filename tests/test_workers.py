@@ -162,24 +162,34 @@ def test_a_slow_target_still_busy_with_a_dropped_block_does_not_spoil_the_next()
     assert overlapped.report["schedule"]["dropped_speculative_blocks"] >= 1
 
 
-def test_a_failure_in_dropped_speculation_does_not_fail_the_run():
+def test_a_failure_in_dropped_speculation_does_not_fail_the_run(monkeypatch):
     """The sequential schedule never runs the target on an accepted block; the overlapped one must not fail because
     its dropped speculative work did (an error inside the model's computation; an error from the caller's hook is a
-    stop request instead, see test_cancel.py)."""
-    armed = {"on": False}
+    stop request instead, see test_cancel.py). The fault is injected where the generator calls the model
+    (``forward_block``; a forward pre-hook would never fire), in denoising calls only (t > 0: the speculative
+    regenerations; the target's context passes run at t = 0), and the verdict is slowed so the speculation runs."""
+    state = {"armed": False, "fired": 0}
 
-    def failing_forward(module, args):
-        if armed["on"]:
+    def slow_verdict(component, kind):
+        if component == "reward" and state["armed"]:
+            time.sleep(0.2)
+
+    kwargs = dict(prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5, before_call=slow_verdict,
+                  on_block=lambda r: state.update(armed=True))  # block 0 is the target's own: fail only afterwards
+    sequential = tiny_pipeline(tau=-math.inf).generate(prompt_embeds(), workers=1, **kwargs)
+    state["armed"] = False
+    pipe = tiny_pipeline(tau=-math.inf)
+    real = pipe.target.model.forward_block
+
+    def failing_forward_block(latents, timesteps, *args, **kw):
+        if state["armed"] and bool((timesteps > 0).any()):
+            state["fired"] += 1
             raise RuntimeError("target out of memory (simulated)")
+        return real(latents, timesteps, *args, **kw)
 
-    kwargs = dict(prompt=PROMPT, num_frames=FRAMES, width=WIDTH, height=HEIGHT, seed=5,
-                  on_block=lambda r: armed.update(on=True))  # block 0 is the target's own: fail only afterwards
-    pipe = tiny_pipeline(tau=-math.inf)
-    sequential = pipe.generate(prompt_embeds(), workers=1, **kwargs)
-    armed["on"] = False
-    pipe = tiny_pipeline(tau=-math.inf)
-    pipe.target.model.register_forward_pre_hook(failing_forward)
+    monkeypatch.setattr(pipe.target.model, "forward_block", failing_forward_block)
     overlapped = pipe.generate(prompt_embeds(), workers=2, **kwargs)
+    assert state["fired"] >= 1  # the fault really hit the dropped speculation
     assert_same(sequential, overlapped)
     assert overlapped.report["schedule"]["dropped_speculative_blocks"] >= 1
     assert not sdvg_threads()
