@@ -236,6 +236,7 @@ def cli_problem(files, tmp_path, *flags):
     (("--refine-from-step", "5"), False),
     (("--schedule-every", "0"), True), (("--schedule-every", "-1"), False),
     (("--seed", "0"), True), (("--seed", "-1"), False),
+    (("--seed", str(2**63 - 10_001)), True), (("--seed", str(2**63 - 10_000)), False),
     (("--max-frames", "3"), True), (("--max-frames", "2"), False),
     (("--tau", "inf"), True), (("--tau=-inf",), True), (("--tau", "nan"), False),
 ], ids=lambda v: " ".join(v) if isinstance(v, tuple) else str(v))
@@ -245,6 +246,23 @@ def test_cli_range_edges(files, tmp_path, flags, ok):
     except SystemExit:  # argparse refused the value itself
         problem = "argparse"
     assert (problem is None) == ok, problem
+
+
+@pytest.mark.parametrize("seed", [2**64 + 1, 2**200])
+def test_a_huge_seed_is_refused_as_too_large(files, tmp_path, seed):
+    assert cli_problem(files, tmp_path, "--seed", str(seed)) == (
+        f"--seed {seed}: is too large: seeds go up to {2**63 - 10_001} (2^63 - 10001, room for seed + the prompt's "
+        "index); e.g. 42")
+
+
+@pytest.mark.parametrize("flags,problem", [
+    (("--mode", "schedule", "--schedule-veto"), None),  # the veto judges drafts against tau: a sweep applies
+    (("--mode", "schedule"), "--taus -1,0: one video per tau needs drafts judged against tau"),
+    (("--mode", "random"), "--taus -1,0: one video per tau needs drafts judged against tau"),
+])
+def test_taus_need_drafts_judged_against_tau(files, tmp_path, flags, problem):
+    found = cli_problem(files, tmp_path, "--reward", str(files / "ImageReward.safetensors"), "--taus=-1,0", *flags)
+    assert found == problem if problem is None else found.startswith(problem)
 
 
 def test_refine_from_step_is_bounded_by_the_drafters_own_steps_at_run_time(files, tmp_path, capsys):

@@ -240,9 +240,17 @@ def _check_max_frames(args):
     return None if args.max_frames >= 3 else "must be at least 3 (one block of latent frames)"
 
 
+#: the largest --seed: the n-th prompt's seed (seed + n) must stay a valid 64-bit generator seed
+MAX_SEED = 2**63 - 10_001
+
+
 @arg_check("--seed")
 def _check_seed(args):
-    return None if 0 <= args.seed < 2**63 - 10_000 else "must be a non-negative integer (e.g. 42)"
+    if args.seed < 0:
+        return "must be a non-negative integer (e.g. 42)"
+    if args.seed > MAX_SEED:
+        return f"is too large: seeds go up to {MAX_SEED} (2^63 - 10001, room for seed + the prompt's index); e.g. 42"
+    return None
 
 
 @arg_check("--tau", "generate")
@@ -408,10 +416,11 @@ def _check_taus(args):
 def _check_generate_taus(args):
     if args.taus is None:
         return None
-    if args.mode != "sdvg":
-        return f"{args.taus}: one video per tau needs --mode sdvg (mode {args.mode} does not use tau)"
+    if not _scores_drafts(args):
+        return (f"one video per tau needs drafts judged against tau (--mode sdvg, or --mode schedule "
+                f"--schedule-veto); --mode {args.mode} does not use tau")
     if args.tau_mode == "accept_rate":
-        return f"{args.taus}: --tau-mode {args.tau_mode} sets its own thresholds; use --tau-mode fixed or relative with --taus"
+        return f"--tau-mode {args.tau_mode} sets its own thresholds; use --tau-mode fixed or relative with --taus"
     return None
 
 
