@@ -178,7 +178,8 @@ def draw_score_plot(report: dict, width: int = WIDTH, height: int = HEIGHT):
         name = "p" if view.mode == "random" else "tau"
         moving = max(thresholds) - min(thresholds) > 1e-9
         text = f"{name} per block" if moving else f"{name} = {thresholds[0]:.2f}"
-        draw.text((right - 110, y_of(thresholds[-1]) - 14), text, fill=THRESHOLD, font=font)
+        # in the header, right-aligned: over the plot it would cover a marker's value
+        draw.text((right - 8 - draw.textlength(text, font=font), top - 12), text, fill=THRESHOLD, font=font)
     for p in view.points:
         x = x_of(p.index)
         draw.text((x - 3, bottom + 4), str(p.index), fill=(0, 0, 0), font=font)
@@ -196,7 +197,7 @@ def draw_score_plot(report: dict, width: int = WIDTH, height: int = HEIGHT):
     rule = "keep if below" if view.keep_if == "<" else "keep if on or above"
     title = (f"SDVG {report.get('settings', {}).get('mode', 'sdvg')} ({view.mode}): kept "
              f"{acc.get('accepted_blocks', 0)}/{acc.get('drafted_blocks', 0)} drafted blocks; {rule} the blue line")
-    draw.text((left, 8), title, fill=(0, 0, 0), font=font)
+    draw.text((left, 4), title, fill=(0, 0, 0), font=font)
     draw.text((left, height - 16), "block  (green = kept draft, red = regenerated, grey = not scored)",
               fill=(80, 80, 80), font=font)
     return np.asarray(img, dtype=np.uint8).copy()

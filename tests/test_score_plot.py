@@ -87,10 +87,11 @@ def column_of(image: np.ndarray, x: float, n_blocks: int) -> int:
 
 def threshold_row(image: np.ndarray, block: int, n_blocks: int) -> float:
     """The row of the blue threshold segment over ``block``'s column (read away from the marker at its centre)."""
-    left, right, _, _ = BOX
+    left, right, top, bottom = BOX
     width = (right - left) / n_blocks
     x = int(left + block * width + 0.15 * width)
-    rows = np.nonzero((image[:, x] == np.array(THRESHOLD, dtype=np.uint8)).all(axis=1))[0]
+    inside = image[top + 1:bottom, x]  # the plot box only: labels in the threshold's colour sit outside it
+    rows = top + 1 + np.nonzero((inside == np.array(THRESHOLD, dtype=np.uint8)).all(axis=1))[0]
     assert len(rows), f"no threshold line over block {block}"
     return float(rows.mean())
 
