@@ -188,6 +188,40 @@ def test_free_interval_is_where_no_decision_changes():
     assert generate(tiny_pipeline(), 0.0, mode="target_only").report["free_tau_interval"] is None
 
 
+@pytest.mark.parametrize("tau_mode", ["relative", "anchor", "baseline"])
+def test_free_interval_in_the_reference_modes_is_in_the_compared_margin(tau_mode):
+    """In the reference modes tau is compared with the margin block_score - reference_score: the free interval is
+    given in that space, and it is exactly what a replay re-decides (inside: every block replays; just outside either
+    end: one decision flips)."""
+    from sdvg_engine.router import COMPARED_QUANTITY, RewardRouter
+
+    def pipeline():
+        pipe = tiny_pipeline()
+        pipe.router = RewardRouter(shared_parts()["scorer"], tau_mode=tau_mode)
+        return pipe
+
+    probe = generate(pipeline(), -math.inf)
+    margins = sorted(r.decision.block_score - r.decision.reference_score for r in probe.blocks if r.decision)
+    tau = (margins[0] + margins[1]) / 2
+    pipe = pipeline()
+    pipe.memo = ReplayMemo()
+    result = generate(pipe, tau)
+    interval = result.report["free_tau_interval"]
+    assert interval["compared"] == COMPARED_QUANTITY[tau_mode] and interval["tau_mode"] == tau_mode
+    drafted = [r.decision for r in result.blocks if r.decision is not None]
+    assert {d.accept for d in drafted} == {True, False}
+    assert interval["flip_tau_per_block"] == [None] + [d.block_score - d.reference_score for d in drafted]
+    above, up_to = interval["above"], interval["up_to"]
+    assert above == max(d.block_score - d.reference_score for d in drafted if not d.accept)
+    assert up_to == min(d.block_score - d.reference_score for d in drafted if d.accept)
+    assert above < tau <= up_to
+    for inside in (up_to, math.nextafter(above, math.inf), (above + up_to) / 2):
+        replay = generate(pipe, inside).report
+        assert replay["replay"]["replayed_blocks"] == 4 and replay["model_calls"]["target"] == {}, inside
+    for outside in (above, math.nextafter(up_to, math.inf)):  # the highest reject kept / the lowest accept rejected
+        assert generate(pipe, outside).report["replay"]["replayed_blocks"] < 4, outside
+
+
 def test_a_carried_adaptive_state_sees_replayed_drafts():
     from sdvg_engine.router import RewardRouter
 
