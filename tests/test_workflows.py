@@ -363,3 +363,20 @@ def test_workflows_explain_themselves(path):
     for node in wf["nodes"]:
         if node["type"] == "SDVGSpeculativeSampler":
             assert node["widgets_values"][5] == "fixed"
+
+
+def test_tooltips_are_short_and_link_their_details():
+    """One or two sentences per tooltip (the rest lives in docs/nodes.md, which the tooltip names with an anchor that
+    exists there); the seed's says to fix it for tau tuning."""
+    docs = (ROOT / "docs" / "nodes.md").read_text(encoding="utf-8")
+    anchors = {re.sub(r"[^a-z0-9 -]", "", line[3:].strip().lower()).replace(" ", "-")
+               for line in docs.splitlines() if line.startswith("## ")}
+    for spec in schema.NODES:
+        for i in spec.inputs:
+            core = i.tooltip.replace(schema._ADVANCED_WINS, "").split(" Details: ")[0]
+            assert len(re.findall(r"[.!?](?:\s|$)", core)) <= 2 and len(core) <= 260, (spec.node_id, i.name, core)
+            if i.details:
+                link = re.search(r"Details: docs/nodes\.md#([a-z0-9-]+)\.", i.tooltip)
+                assert link and link.group(1) in anchors, (spec.node_id, i.name)
+    seed = schema.SAMPLER.input("seed").tooltip
+    assert "fixed" in seed and "tau" in seed
