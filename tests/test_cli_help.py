@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -139,12 +140,26 @@ def test_help_and_usage_errors_import_no_torch(argv):
     assert ("sdvg generate: error: " in proc.stderr) if "--bogus" in argv else ("usage: sdvg" in proc.stdout)
 
 
+@functools.lru_cache(maxsize=None)
 def _package_imports_torch() -> bool:
-    proc = subprocess.run([sys.executable, "-c", "import sys, sdvg_engine; print('torch' in sys.modules)"],
-                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=120)
-    return proc.stdout.strip() == "True"
+    """Whether ``import sdvg_engine`` starts importing torch (told at the first attempt, without loading torch)."""
+    probe = textwrap.dedent("""
+        import os, sys
+        class Stop:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    print("eager", flush=True)
+                    os._exit(0)
+        sys.meta_path.insert(0, Stop())
+        import sdvg_engine
+        print("lazy", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=_env(),
+                          timeout=120)
+    return proc.stdout.strip() == "eager"
 
 
+@pytest.mark.slow
 def test_sdvg_generate_help_end_to_end_imports_no_torch():
     """The real command line (`python -m sdvg_engine.cli`, what the `sdvg` script runs): no torch in the import
     trace, well under a second of imports. Needs sdvg_engine/__init__.py to import its names lazily."""
@@ -224,6 +239,7 @@ def _run_and_interrupt(argv, when):
     return proc.returncode, text
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_first_moments_of_the_real_command(files, tmp_path):
     """`python -m sdvg_engine.cli generate ...`, SIGINT 0.2 s after start (the interpreter is still importing)."""
     if _package_imports_torch():
@@ -234,6 +250,7 @@ def test_ctrl_c_in_the_first_moments_of_the_real_command(files, tmp_path):
     assert err.strip().splitlines()[-1].endswith("interrupted (Ctrl-C); no output was left half-written")
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_run_cancels_cleanly(files, tmp_path):
     """SIGINT once the first block is made: the run stops at the next model call, exit 130, no traceback, no
     half-written output."""
