@@ -251,7 +251,23 @@ def test_a_file_that_is_not_a_wan_dit_is_refused_with_the_loaders_message(tmp_pa
     assert "wan_2.1_vae.safetensors: this is a Wan VAE, not a Wan DiT" in capsys.readouterr().err
     assert _sdvg(["export-comfy", "--in", tmp_path / "nowhere.pt", "--out", out], monkeypatch) == 2
     assert "nowhere.pt" in capsys.readouterr().err
+    corrupt = tmp_path / "cut_short.safetensors"
+    corrupt.write_bytes(b"\x00\x01garbage" * 10)
+    with pytest.raises(CheckpointError, match=r"cut_short\.safetensors: not a readable safetensors file, the file is "
+                                              r"truncated or corrupt"):
+        export_comfy(corrupt, out)
     assert not out.exists()
+
+
+def test_a_wan_file_missing_a_key_is_refused_naming_file_and_key(source, tmp_path):
+    state = to_original_keys(source.state_dict())
+    del state["blocks.1.cross_attn.k.weight"]
+    broken = tmp_path / "broken.safetensors"
+    save_file(state, str(broken))
+    with pytest.raises(CheckpointError, match=r"broken\.safetensors: the weights do not match .* 1 missing keys, "
+                                              r"e\.g\. \['blocks\.1\.attn2\.to_k\.weight'\]"):
+        export_comfy(broken, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_a_pickle_with_code_is_refused_and_its_code_never_runs(tmp_path):
@@ -388,6 +404,11 @@ def test_comfyui_detects_the_export_as_wan_and_loads_every_key(source, tmp_path)
     found = json.loads(run.stdout.strip().splitlines()[-1])
     config = found["config"]
     assert config["image_model"] == "wan2.1" and config["model_type"] == "t2v"
+    # Newer core (model_detection's Wan branch) merges metadata["config"]["transformer"] into this config, and
+    # supported_models.WAN21_CausalAR_T2V (listed before WAN21_T2V) matches these three entries -> CausalWanModel.
+    newer = {**config, **json.loads(_read(out)[1]["config"])["transformer"]}
+    assert {k: newer.get(k) for k in ("image_model", "model_type", "causal_ar")} == \
+        {"image_model": "wan2.1", "model_type": "t2v", "causal_ar": True}
     assert (config["dim"], config["num_heads"], config["num_layers"], config["ffn_dim"]) == (256, 2, 2, 256)
     assert (config["in_dim"], config["out_dim"]) == (16, 16)
     # 0.3.64 has no causal class: the plain Wan2.1 T2V config and WanModel, built from every key of the file.
