@@ -311,24 +311,14 @@ class SpeculativePipeline:
                                   _video_frames(decoded.pixels), decode=decoded.lap)
         record.seconds = run.take_block_seconds()
         if copies is not None:  # past the memo's cap: no host copies for nothing
-            self._record(run, RecordedBlock(
+            run.record(RecordedBlock(
                 index=block.index, source=block.source, drafted=block.drafted, decision=block.decision,
                 latents=latents, num_frames=decoded.pixels.shape[2], pixels=decoded.host,
                 contexts_after={name: _cpu(run.workers.result(f), copies) for name, f in block.contexts_after.items()},
                 previous_features_after=compact(_cpu(_result(run, block.previous_features_after))),
                 seconds=sum(record.seconds.values()),
-                reference_after=tuple(_result(run, s) for s in block.reference_after)))
+                reference_after=tuple(_result(run, s) for s in block.reference_after)), self.memo.max_bytes)
         return record
-
-    def _record(self, run: Run, block: RecordedBlock) -> None:
-        """Add a block to the run's recording while it fits the memo's cap: a recording too large to keep whole keeps
-        its longest prefix that fits (a later run still replays every block up to there)."""
-        if run.recording_full:
-            return
-        run.recording.blocks.append(block)
-        if run.recording.nbytes > self.memo.max_bytes:
-            run.recording.blocks.pop()
-            run.recording_full = True
 
     # ---- replay ---------------------------------------------------------------------------------------
     def _replay(self, run: Run) -> Iterator[BlockRecord]:
@@ -360,7 +350,7 @@ class SpeculativePipeline:
                 run.tau_state.observe(decision.block_score)  # the caller's state, if carried, sees the replayed drafts too
             run.replayed_seconds += max(0.0, block.seconds - lap.seconds)
             if run.recording is not None:
-                self._record(run, dataclasses.replace(block, decision=decision))
+                run.record(dataclasses.replace(block, decision=decision), self.memo.max_bytes)
             yield record
 
     # ---- timing -------------------------------------------------------------------------------------

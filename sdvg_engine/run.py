@@ -1,14 +1,18 @@
 """What one generation holds while it runs, and how it starts.
 
 :class:`Run` is the whole state of one call of :meth:`SpeculativePipeline.stream`: the pipeline object itself holds
-no half-run state. Each field says who writes it and when. Three kinds of field:
+no half-run state. Each field says who writes it and when. Four kinds of field:
 
 * **set once** by :func:`start_run` on the caller's thread, before any block; read-only afterwards;
 * **the loop's state**, written only on the main thread by the loop, in block order (:meth:`Run.advance` is the
   one writer of the routing state a later draft reads; a replay restores it through the same method);
-* **the output**, appended on the main thread when a block is final (:meth:`Run.append_block`).
+* **the output**, appended on the main thread when a block is final (:meth:`Run.append_block`);
+* **replay**: the plan and the recording, made by :func:`start_run`, then added to on the main thread
+  (:meth:`Run.record`).
 
-Worker threads never write a :class:`Run`: what a task needs is handed to it when it is submitted.
+Worker threads never assign a field of a :class:`Run`: what a task needs is handed to it when it is submitted.
+(Two objects a run holds are shared on purpose: the timer, which has a lock, and the adaptive threshold's
+:class:`TauState`, observed by the reward lane in block order.)
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .checks import check_int
-from .memo import Recording, ReplayPlan, plan_replay
+from .memo import RecordedBlock, Recording, ReplayPlan, plan_replay
 from .options import CancelToken, GenerationCancelled, SDVGOptions
 from .replay_key import replay_key
 from .report import BlockRecord, ComponentTimer, Lap
@@ -128,6 +132,17 @@ class Run:
         """Whether the target makes block ``b`` without a draft (:meth:`SDVGOptions.target_makes_block`)."""
         draw = self.decided_before_drafting(b)
         return self.options.target_makes_block(b, None if draw is None else draw.accept)
+
+    # ---- the recording (main thread, block order) ---------------------------------------------------------------
+    def record(self, block: RecordedBlock, max_bytes: int) -> None:
+        """Add a final block to the recording while it fits the memo's cap (``max_bytes``): a recording too large to
+        keep whole keeps its longest prefix that fits (a later run still replays every block up to there)."""
+        if self.recording_full:
+            return
+        self.recording.blocks.append(block)
+        if self.recording.nbytes > max_bytes:
+            self.recording.blocks.pop()
+            self.recording_full = True
 
     # ---- the output ------------------------------------------------------------------------------------------------
     def append_block(self, index: int, source: str, drafted: bool, decision: RouteDecision | None,
