@@ -42,7 +42,7 @@ def _flag_actions(parser):
 def test_every_flag_of_every_command_has_help_and_its_default():
     parser = build_parser()
     commands = _commands(parser)
-    assert sorted(commands) == ["bench", "encode-prompts", "generate", "inspect"]
+    assert sorted(commands) == ["bench", "encode-prompts", "export-comfy", "generate", "inspect"]
     counted = 0
     for name, sub in [("sdvg", parser), *commands.items()]:
         formatter = sub._get_formatter()
@@ -131,7 +131,7 @@ def _env():
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"], ["encode-prompts", "--help"],
-                                  ["inspect", "--help"], ["generate", "--bogus"]])
+                                  ["inspect", "--help"], ["export-comfy", "--help"], ["generate", "--bogus"]])
 def test_help_and_usage_errors_import_no_torch(argv):
     proc = subprocess.run([sys.executable, "-c", _CLI_ALONE, *argv], capture_output=True, text=True, cwd=REPO,
                           env=_env(), timeout=60)

@@ -15,6 +15,7 @@ import argparse
 import importlib
 
 from ..presets import PRESETS
+from . import export_comfy  # its flags; light (the export itself is imported when it runs)
 from .arg_checks import finite_float, tau_value
 
 #: ``sdvg bench``'s tau values when none are given: the paper's table (fixed) or margins around the default (relative)
@@ -300,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="where the encoder runs: cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="bf16", help="the encoder's dtype: bf16, fp16 or fp32")
     p.set_defaults(func=_command("encode_prompts", "cmd_encode_prompts"))
+
+    export_comfy.add_parser(sub, _command("export_comfy", "cmd_export_comfy"))
 
     p = sub.add_parser("generate", help="generate videos with SDVG (or a baseline mode)",
                        description="Generate one video per prompt (and per --taus value) with SDVG or a baseline "

@@ -19,7 +19,7 @@ from .common import _print_err
 #: pipeline's NonFiniteOutputError and torch's out-of-memory error, see :func:`main`).
 EXPECTED_ERRORS = (ValueError, OSError)
 
-COMMANDS = ("inspect", "encode-prompts", "generate", "bench")
+COMMANDS = ("inspect", "encode-prompts", "export-comfy", "generate", "bench")
 #: exit status after Ctrl-C (128 + SIGINT), as shells report it
 INTERRUPTED = 130
 
