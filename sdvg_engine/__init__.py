@@ -5,24 +5,52 @@ Data flow: load (``load_generator``, ``load_wan_vae``, ``load_image_reward``) ->
 commit or regenerate -> frames, acceptance mask, report.
 
 Nothing in this package imports ComfyUI; ``nodes/`` adapts it.
+
+The names below are imported on first use (PEP 562): ``import sdvg_engine`` (and so the ``sdvg`` command's
+``--help``) imports no torch; ``from sdvg_engine import load_generator`` works as before.
 """
 
-from .context import AnchorEncoder, GlobalCache, RecomputeWindow, make_context_scheme
-from .generator import BlockSample, CausalGenerator
-from .loaders import load_generator, parse_dtype
-from .models.causal_wan import CausalWanTransformer3DModel, TextKV, wan_config
-from .models.loading import CheckpointError, CheckpointInfo, inspect_checkpoint, load_causal_wan
-from .pipeline import MODES, CancelToken, GenerationCancelled, SDVGOptions, SDVGResult, SpeculativePipeline
-from .workers import StreamAbandoned
-from .report import BlockRecord
-from .sampling import KREA_SCHEDULE, SELF_FORCING_SCHEDULE, Schedule, SeededNoise, TensorNoise
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AnchorEncoder", "BlockRecord", "BlockSample", "CancelToken", "CausalGenerator", "CausalWanTransformer3DModel",
-    "CheckpointError", "CheckpointInfo", "GenerationCancelled", "StreamAbandoned", "GlobalCache", "KREA_SCHEDULE", "MODES",
-    "RecomputeWindow", "SDVGOptions", "SDVGResult", "SELF_FORCING_SCHEDULE", "Schedule", "SeededNoise",
-    "SpeculativePipeline", "TensorNoise", "TextKV", "inspect_checkpoint", "load_causal_wan", "load_generator",
-    "make_context_scheme", "parse_dtype", "wan_config",
-]
+#: public name -> the module that defines it
+_EXPORTS = {
+    "AnchorEncoder": ".context", "GlobalCache": ".context", "RecomputeWindow": ".context",
+    "make_context_scheme": ".context",
+    "BlockSample": ".generator", "CausalGenerator": ".generator",
+    "load_generator": ".loaders", "parse_dtype": ".loaders",
+    "CausalWanTransformer3DModel": ".models.causal_wan", "TextKV": ".models.causal_wan", "wan_config": ".models.causal_wan",
+    "CheckpointError": ".models.loading", "CheckpointInfo": ".models.loading", "inspect_checkpoint": ".models.loading",
+    "load_causal_wan": ".models.loading",
+    "MODES": ".pipeline", "CancelToken": ".pipeline", "GenerationCancelled": ".pipeline", "SDVGOptions": ".pipeline",
+    "SDVGResult": ".pipeline", "SpeculativePipeline": ".pipeline",
+    "StreamAbandoned": ".workers",
+    "BlockRecord": ".report",
+    "KREA_SCHEDULE": ".sampling", "SELF_FORCING_SCHEDULE": ".sampling", "Schedule": ".sampling",
+    "SeededNoise": ".sampling", "TensorNoise": ".sampling",
+    # the API's other entry points, importable from the package too
+    "load_pipeline": ".loaders", "build_pipeline": ".loaders", "load_wan_vae": ".vae", "RewardRouter": ".router",
+    "ReplayMemo": ".memo", "load_image_reward": ".reward",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        # ``sdvg_engine.router`` after a bare ``import sdvg_engine``: the eager package imported its submodules.
+        try:
+            return import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device is checked: `sdvg --help` imports this module
+    import torch
 
 
 def _shown(value) -> str:
@@ -77,10 +79,12 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_device(name: str, value) -> torch.device:
+def check_device(name: str, value) -> "torch.device":
     """A device this machine has: ``cpu``, ``cuda`` / ``cuda:N`` with CUDA present, ``mps`` where available.
 
     ``meta`` is accepted (the real-size dry run builds models there)."""
+    import torch
+
     if isinstance(value, torch.device):
         device = value
     elif isinstance(value, str):
