@@ -16,10 +16,9 @@ import math
 import torch
 from diffusers import AutoencoderKLWan
 
-from sdvg_engine.context import GlobalCache
-from sdvg_engine.generator import CausalGenerator
+from sdvg_engine.loaders import LoadedDiT, build_pipeline
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
-from sdvg_engine.pipeline import SDVGOptions, SpeculativePipeline
+from sdvg_engine.pipeline import SDVGOptions
 from sdvg_engine.reward import build_tiny_image_reward
 from sdvg_engine.router import RewardRouter
 from sdvg_engine.vae import StreamingWanVAE
@@ -53,8 +52,9 @@ def main():
 
     def run(mode, pattern=None):
         router = ForcedRouter(scorer, pattern) if pattern is not None else RewardRouter(scorer, tau=-math.inf)
-        pipe = SpeculativePipeline(CausalGenerator(drafter_model, context=GlobalCache(max(21, 3 * args.blocks))),
-                                   CausalGenerator(target_model, context=GlobalCache(max(21, 3 * args.blocks))), vae, router)
+        # both as Self-Forcing checkpoints (global cache, 4 calls), through the project's one builder
+        pipe = build_pipeline(LoadedDiT(drafter_model), LoadedDiT(target_model), vae, router, preset="native",
+                              max_frames=max(21, 3 * args.blocks))
         reports = [pipe.generate(context, prompt="a red ball", num_frames=frames, width=8 * w, height=8 * h, seed=0,
                                  options=SDVGOptions(mode=mode)).report for _ in range(args.repeats)]
         return min(reports, key=lambda r: r["seconds"]["wall"])

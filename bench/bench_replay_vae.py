@@ -27,8 +27,7 @@ import time
 import torch
 from diffusers import AutoencoderKLWan
 
-from sdvg_engine.context import GlobalCache
-from sdvg_engine.generator import CausalGenerator
+from sdvg_engine.loaders import LoadedDiT, build_pipeline
 from sdvg_engine.memo import ReplayMemo
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
 from sdvg_engine.pipeline import SpeculativePipeline
@@ -46,8 +45,8 @@ def build(seed: int = 0) -> SpeculativePipeline:
     drafter = CausalWanTransformer3DModel(**wan_config("tiny", num_layers=2, num_attention_heads=2, ffn_dim=256))
     target = CausalWanTransformer3DModel(**wan_config("tiny", num_layers=4, num_attention_heads=2, ffn_dim=512))
     vae = StreamingWanVAE(AutoencoderKLWan(base_dim=96, z_dim=16).eval().requires_grad_(False))  # the real size
-    gens = [CausalGenerator(m.eval().requires_grad_(False), context=GlobalCache(21)) for m in (drafter, target)]
-    return SpeculativePipeline(*gens, vae, RewardRouter(build_tiny_image_reward(seed=0), tau=0.0))
+    dits = [LoadedDiT(m.eval().requires_grad_(False)) for m in (drafter, target)]  # global cache, 4 calls
+    return build_pipeline(*dits, vae, RewardRouter(build_tiny_image_reward(seed=0), tau=0.0), preset="native")
 
 
 def run(pipe, tau, args):

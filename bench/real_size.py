@@ -31,7 +31,8 @@ from sdvg_engine.context import GlobalCache, RecomputeWindow
 from sdvg_engine.generator import CausalGenerator
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
 from sdvg_engine.models.loading import quantize_blocks_fp8
-from sdvg_engine.pipeline import SDVGOptions, SpeculativePipeline
+from sdvg_engine.loaders import LoadedDiT, build_pipeline
+from sdvg_engine.pipeline import SDVGOptions
 from sdvg_engine.report import ComponentTimer
 from sdvg_engine.reward import ImageRewardConfig, ImageRewardModel, ImageRewardScorer, build_tiny_image_reward
 from sdvg_engine.reward.tokenizer import BlipTokenizer
@@ -176,8 +177,10 @@ def main():
 
     def run(mode, pattern=None):
         router = ForcedRouter(scorer, pattern) if pattern is not None else RewardRouter(scorer, tau=0.0)
-        pipe = SpeculativePipeline(CausalGenerator(drafter, context=GlobalCache(max(21, 3 * args.blocks))),
-                                   CausalGenerator(target, schedule="krea", context=RecomputeWindow(3)), vae, router)
+        # as their checkpoints say (native): the 1.3B on its global cache, the 14B (Krea) on the recompute window
+        pipe = build_pipeline(LoadedDiT(drafter, "global_cache", "self_forcing"),
+                              LoadedDiT(target, "recompute_window", "krea"), vae, router, preset="native",
+                              max_frames=max(21, 3 * args.blocks))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         report = pipe.generate(ctx, prompt="a cat", num_frames=frames, width=width, height=height, seed=42,
