@@ -115,8 +115,7 @@ def test_the_plans_transient_matches_a_real_decode_measured_apart_from_the_dry_r
     """The plan's activation row is the Wan VAE decode's transient, a per-pixel constant once read off the dry run.
     Checked here against a figure the dry run does not produce: the real VAE architecture decoding two 3-latent-frame
     blocks with real values on the CPU (no meta device, no pipeline, no replayed calls) at 64x64 pixels; the largest
-    transient of the two, new cache slots excluded, scaled by the frame area (edges make the small size 1.3% dearer
-    per pixel)."""
+    transient of the two, new cache slots excluded, scaled by the frame area."""
     from diffusers import AutoencoderKLWan
 
     from sdvg_engine.vae import StreamingWanVAE, load_wan21_vae_config
@@ -133,7 +132,9 @@ def test_the_plans_transient_matches_a_real_decode_measured_apart_from_the_dry_r
     plan = memory_components(offload="none", kv_dtype="auto", vae_dtype="fp32", fp8_target=False,
                              drafter_context="auto")
     planned = next(v for k, v in plan.items() if k.startswith("largest transient")) * 2**30
-    assert planned == pytest.approx(measured_per_pixel * 832 * 480, rel=0.02)
+    # at 64x64 the borders cost 1.3% more per pixel than at 832x480: the plan must sit just under the small figure
+    measured = measured_per_pixel * 832 * 480
+    assert 0.97 * measured <= planned <= measured, (planned, measured)
     # bf16 halves it
     bf16 = memory_components(offload="none", kv_dtype="auto", vae_dtype="bf16", fp8_target=False, drafter_context="auto")
     assert next(v for k, v in bf16.items() if k.startswith("largest transient")) * 2**30 == pytest.approx(planned / 2)
