@@ -123,6 +123,18 @@ class SDVGOptions:
         ``random`` decides before drafting, so a block it drafts is kept too."""
         return not self.scores_drafts
 
+    @property
+    def draws_before_drafting(self) -> bool:
+        """Whether each block's decision is drawn before any draft (``random``: a block given to the target is never
+        drafted, decoded twice or scored)."""
+        return self.mode == "random"
+
+    @property
+    def drafter_leads(self) -> bool:
+        """Whether the drafter makes most of the output (``draft_only``, ``first_block_only``): with two lanes on one
+        device it gets the lane of its own."""
+        return self.mode in ("draft_only", "first_block_only")
+
     def target_makes_block(self, b: int, random_accept: bool | None = None) -> bool:
         """Whether the target makes block ``b`` without a draft, decided before drafting. ``random_accept``: random
         mode's draw for the block (``RandomRouter.decide_block(b).accept``), which needs no draft either."""

@@ -287,7 +287,7 @@ def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, widt
         memo_key = replay_key(pipe, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices)
     run = Run(options=opts, num_blocks=num_blocks, noise=noise or SeededNoise(seed), prompt=prompt, seed=seed,
               width=width, height=height, num_frames=num_frames, frames_per_block=fpb, cancel=cancel,
-              before_call=before_call, workers=Workers(plan_lanes(opts.mode, devices, workers)))
+              before_call=before_call, workers=Workers(plan_lanes(opts, devices, workers)))
     run.timer.handover_sync = not run.workers.parallel
     run.active = [g for g, used in ((pipe.drafter, opts.uses_drafter), (pipe.target, opts.uses_target)) if used]
     try:
@@ -301,7 +301,7 @@ def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, widt
         if opts.scores_drafts:
             run.prompt_features = pipe.router.scorer.encode_prompt(prompt)
             run.tau_state = tau_state if tau_state is not None else pipe.router.new_tau_state()
-        if opts.mode == "random":  # the one mode whose decisions are drawn before drafting
+        if opts.draws_before_drafting:
             run.random_router = RandomRouter(opts.random_accept_prob, seed, key=prompt)
         if memo_key is not None:
             run.recording = Recording(memo_key)

@@ -132,8 +132,8 @@ class _Lane:
             self._thread.join()
 
 
-def plan_lanes(mode: str, devices: dict[str, torch.device], workers: int | str = "auto") -> dict[str, str]:
-    """Which lane each component runs on.
+def plan_lanes(options, devices: dict[str, torch.device], workers: int | str = "auto") -> dict[str, str]:
+    """Which lane each component runs on, for a run's :class:`~sdvg_engine.options.SDVGOptions` (or its mode name).
 
     ``workers=1``: everything on one lane (the sequential schedule). ``"auto"``: one lane per device when the
     components sit on more than one device (e.g. target on ``cuda:0``; drafter, VAE, reward on ``cuda:1``),
@@ -149,7 +149,11 @@ def plan_lanes(mode: str, devices: dict[str, torch.device], workers: int | str =
         return {c: "main" for c in COMPONENTS}
     if len(distinct) > 1:
         return {c: str(devices[c]) for c in COMPONENTS}
-    lead = "drafter" if mode in ("draft_only", "first_block_only") else "target"
+    if isinstance(options, str):
+        from .options import SDVGOptions
+
+        options = SDVGOptions(mode=options)
+    lead = "drafter" if options.drafter_leads else "target"
     lanes = {c: "side" for c in COMPONENTS}
     lanes[lead] = "lead"
     if lead == "drafter":
