@@ -498,12 +498,13 @@ def geometry_problem(width, height, length) -> str | None:
 def needed_inputs(mode: str, drafter=None, target=None, router=None, schedule_veto: bool = False) -> list[str]:
     """The lazy sampler inputs ``mode`` uses that are not evaluated yet (ComfyUI's ``check_lazy_status``): the
     router only where drafts are scored (``sdvg``, or ``schedule`` with ``schedule_veto``)."""
+    needs = SDVGOptions(mode=mode, schedule_veto=bool(schedule_veto))
     needed = []
-    if drafter is None and mode != "target_only":
+    if drafter is None and needs.uses_drafter:
         needed.append("drafter")
-    if target is None and mode != "draft_only":
+    if target is None and needs.uses_target:
         needed.append("target")
-    if router is None and SDVGOptions(mode=mode, schedule_veto=bool(schedule_veto)).scores_drafts:
+    if router is None and needs.scores_drafts:
         needed.append("router")
     return needed
 
@@ -600,7 +601,11 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
             raise ValueError(f"the {m.role} expects text width {m.model.config.text_dim}, the conditioning is "
                              f"{context.shape[-1]} wide")
     prompt = reward_prompt or ""
-    scores_drafts = SDVGOptions(mode=mode, schedule_veto=bool(schedule_veto)).scores_drafts
+    options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
+                          random_accept_prob=float(random_accept_prob),
+                          refine_from_step=int(refine_from_step) or None, cascade=bool(cascade),
+                          schedule_every=int(schedule_every), schedule_veto=bool(schedule_veto))
+    scores_drafts = options.scores_drafts
     if scores_drafts:
         if router is None:
             raise ValueError("mode 'sdvg' needs a router (SDVG Reward Router)" if mode == "sdvg" else
@@ -610,10 +615,6 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
             raise ValueError("reward_prompt is empty: ImageReward scores frames against the prompt TEXT, which "
                              "CONDITIONING does not carry. Type the positive prompt into reward_prompt or link "
                              "SDVG Load Prompt Embeddings' prompt output.")
-    options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
-                          random_accept_prob=float(random_accept_prob),
-                          refine_from_step=int(refine_from_step) or None, cascade=bool(cascade),
-                          schedule_every=int(schedule_every), schedule_veto=bool(schedule_veto))
 
     stream, vae_patcher = streaming_vae(vae, services)
     # Per-run objects: the cached SDVG_MODEL / SDVG_ROUTER values are never modified.
@@ -626,15 +627,15 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                           workers=workers if workers == "auto" else int(workers),
                           memo=replay_memo_for(drafter_model, target_model) if replay else None)
 
-    patchers = [drafter_model.patcher if mode != "target_only" else None,
-                target_model.patcher if mode != "draft_only" else None,
+    patchers = [drafter_model.patcher if options.uses_drafter else None,
+                target_model.patcher if options.uses_target else None,
                 vae_patcher, router.patcher if run_router is not None else None]
     services.load([p for p in dict.fromkeys(patchers) if p is not None])
 
     total = video_frames_to_latent_frames(int(length), pipe.target.frames_per_block) // pipe.target.frames_per_block
     services.progress(0, total, None)
 
-    activity = _Activity(services, total, mode)
+    activity = _Activity(services, total, options)
 
     def on_block(record) -> None:
         activity.done = record.index + 1
@@ -650,8 +651,8 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     mask = result.acceptance_mask.float().view(t, 1, 1).expand(t, h, w).contiguous()
     samples = stream.denormalize(result.latents.float())
     report = dict(result.report)
-    report["models"] = {"drafter": drafter.describe() if mode != "target_only" and drafter else None,
-                        "target": target.describe() if mode != "draft_only" and target else None,
+    report["models"] = {"drafter": drafter.describe() if options.uses_drafter and drafter else None,
+                        "target": target.describe() if options.uses_target and target else None,
                         "reward": os.path.basename(router.path) if run_router is not None else None}
     report["output"] = {"frames": t, "height": h, "width": w, "fps": FPS, "latent_shape": list(samples.shape)}
     plot = score_plot(report)
@@ -668,8 +669,8 @@ class _Activity:
 
     _PHASES = {"drafter": "drafting", "vae": "decoding", "reward": "verifying", "replay": "replaying"}
 
-    def __init__(self, services: Services, total: int, mode: str):
-        self.services, self.total, self.mode = services, total, mode
+    def __init__(self, services: Services, total: int, options: SDVGOptions):
+        self.services, self.total, self.options = services, total, options
         self.done = 0  # blocks final so far (set by on_block)
         self._last = None
         self._lock = threading.Lock()
@@ -677,7 +678,7 @@ class _Activity:
     def before_call(self, component: str, kind: str) -> None:
         self.services.check_interrupt()  # first: a cancel must raise whatever the label
         if component == "target":
-            first = self.done == 0 or self.mode == "target_only"
+            first = self.done == 0 or not self.options.uses_drafter  # target_only: every target block is new
             phase = "target context" if kind in ("commit", "recompute") else \
                 "target generating" if first else "target regenerating"
         else:
