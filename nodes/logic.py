@@ -25,6 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from sdvg_engine.checks import check_choice, check_int
+from sdvg_engine.choices import SCHEDULE_EVERY
 from sdvg_engine.comfy_bridge import ModuleHolder
 from sdvg_engine.vae import wan_vae_from_state_dict
 from sdvg_engine.context import make_context_scheme
@@ -567,7 +568,7 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                 reward_prompt: str = "", width: int = 832, height: int = 480, length: int = 81, seed: int = 42,
                 mode: str = "sdvg", force_first_block: bool = True, refine_from_step: int = 0, cascade: bool = False,
                 random_accept_prob: float = 0.73, services: Services | None = None, preset: str = "reference",
-                workers: str = "auto", replay: bool = True, schedule_every: int = 3,
+                workers: str = "auto", replay: bool = True, schedule_every: int = SCHEDULE_EVERY,
                 schedule_veto: bool = False, advanced_options: dict | None = None) -> SamplerOutput:
     """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here.
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sdvg_engine import choices  # torch-free: the choice lists' one home
+
 CATEGORY = "SDVG"
 
 #: Types that ComfyUI shows as widgets (everything else is a socket).
@@ -38,7 +40,7 @@ EMBEDDINGS_FOLDERS = ("sdvg_embeddings",)
 
 PRESETS = ("reference", "native")
 WORKER_CHOICES = ("auto", "1", "2")
-MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random", "schedule")
+MODES = choices.MODES
 CONTEXT_SCHEMES = ("auto", "global_cache", "recompute_window")
 DRAFTER_DTYPES = ("bf16", "fp16", "fp32")
 TARGET_DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -119,14 +121,14 @@ class NodeSpec:
 #: the loaders' ``offload`` input (appended, optional): stream the transformer blocks from CPU RAM
 OFFLOAD_MODES = ("none", "blocks")
 #: the loaders' ``kv_dtype`` input (appended, optional)
-KV_DTYPES = ("auto", "fp8")
+KV_DTYPES = tuple(d for d in choices.KV_DTYPES if d in ("auto", "fp8"))  # the two that change a card size
 #: the loaders' ``card`` input (appended, optional): one choice that applies the memory plan for that card size
 #: (``sdvg_engine.offload.plan_memory`` at 832x480, 81 frames); ``manual`` uses the loader's own widgets.
 CARDS = ("manual", "16 GB", "24 GB", "48 GB", "80 GB")
 #: Router defaults for a node added from the menu: the held-out routing benchmark's choice (docs/routing.md).
 #: Saved workflows keep their own values (they store every widget).
 DEFAULT_TAU_MODE, DEFAULT_TAU = "relative", -0.25
-TAU_MODES = ("fixed", "accept_rate", "relative", "anchor", "baseline")
+TAU_MODES = choices.TAU_MODES
 
 
 def _docs(anchor: str) -> str:
@@ -281,7 +283,7 @@ ADVANCED_INPUTS = (
               details="Every block before the first decision that flips is taken as it was, so moving tau costs only "
                       "the tail. Kept in CPU RAM (at most SDVG_REPLAY_GB, default 4), released when the models "
                       "change. Needs a fixed seed."),
-    InputSpec("schedule_every", "INT", default=3, min=0, max=64, optional=True, advanced=True,
+    InputSpec("schedule_every", "INT", default=choices.SCHEDULE_EVERY, min=0, max=64, optional=True, advanced=True,
               tooltip="Mode schedule: the target makes block 0 and every k-th block (k = this value), decided "
                       "before drafting; 0 = only block 0."),
     InputSpec("schedule_veto", "BOOLEAN", default=False, optional=True, advanced=True,

@@ -25,16 +25,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .choices import KV_DTYPES, OFFLOAD_CHOICES  # noqa: F401 (public here too)
+
 __all__ = [
     "OFFLOAD_CHOICES", "KV_DTYPES", "BlockStreamer", "ResidentPart", "enable_block_offload", "check_offload_device",
     "kv_cache_dtype", "MemorySettings", "plan_memory", "wan_param_counts", "WAN_VAE_PARAMS", "IMAGE_REWARD_PARAMS",
     "dit_flops",
 ]
 
-#: ``offload`` values of the CLI, the loader nodes and :func:`plan_memory`.
-OFFLOAD_CHOICES = ("none", "target", "both")
-#: ``kv_dtype`` values: ``auto`` = the model's compute dtype.
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
 _KV_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 _GROUP_HOOK = "group_offloading"  # diffusers' hook name (diffusers.hooks.group_offloading._GROUP_OFFLOADING)
 

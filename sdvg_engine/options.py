@@ -15,7 +15,7 @@ from .checks import check_bool, check_choice, check_int, check_number, check_opt
 if TYPE_CHECKING:
     from .router import RewardRouter
 
-MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random", "schedule")
+from .choices import MODES, SCHEDULE_EVERY  # noqa: F401 (MODES is public here too)
 
 
 class GenerationCancelled(RuntimeError):
@@ -64,7 +64,7 @@ class SDVGOptions:
     cascade: bool = False
     cascade_frames: int = 4
     cascade_margin: float = 0.5
-    schedule_every: int = 3
+    schedule_every: int = SCHEDULE_EVERY
     schedule_veto: bool = False
 
     def __post_init__(self) -> None:

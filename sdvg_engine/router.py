@@ -77,6 +77,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .choices import REFERENCE_MODES, TAU_MODES  # noqa: F401 (public here too)
 from .checks import check_choice, check_number, check_seed
 from .reward import CROP_MODES, PREPROCESS_MODES, FrameScores, ImageRewardScorer, PromptFeatures
 
@@ -97,9 +98,6 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("min", "mean")
-TAU_MODES = ("fixed", "accept_rate", "relative", "anchor", "baseline")
-#: modes that compare a draft with a reference built from the committed blocks' scores (see RewardRouter.reference_of)
-REFERENCE_MODES = ("relative", "anchor", "baseline")
 #: The router the API (``load_pipeline``) and the CLI use when none is asked for: relative routing, chosen on the
 #: toy world's held-out split (docs/routing.md: of the routers, on the report set's quality/speed front from 1.7x up,
 #: +0.020 over random at acceptance 0.7-0.95; fixed tau is no better than random there). Its margin -0.25 keeps the

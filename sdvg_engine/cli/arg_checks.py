@@ -13,7 +13,7 @@ from .common import UsageError
 
 # torch, the router and the loaders are imported inside the checks that need them: building the parser and
 # ``--help`` import nothing heavy (tests/test_cli_help.py).
-REFERENCE_MODES = ("relative", "anchor", "baseline")  # sdvg_engine.router.REFERENCE_MODES (checked equal by a test)
+from ..choices import REFERENCE_MODES  # noqa: F401
 
 
 # ---- argument types and the validation table ---------------------------------------------------------------

@@ -20,14 +20,7 @@ from .arg_checks import finite_float, tau_value
 
 #: ``sdvg bench``'s tau values when none are given: the paper's table (fixed) or margins around the default (relative)
 BENCH_TAUS = {"fixed": "-0.7,-1.0,-1.5,-2.0", "reference": "-0.1,-0.25,-0.5,-1.0"}
-#: copies of :data:`sdvg_engine.options.MODES`, :data:`sdvg_engine.router.TAU_MODES` / ``REFERENCE_MODES``,
-#: :data:`sdvg_engine.offload.OFFLOAD_CHOICES` and ``KV_DTYPES`` (those modules import torch); tests/test_cli_help.py
-#: checks they are equal
-MODES = ("sdvg", "target_only", "draft_only", "first_block_only", "random", "schedule")
-TAU_MODES = ("fixed", "accept_rate", "relative", "anchor", "baseline")
-REFERENCE_MODES = ("relative", "anchor", "baseline")
-OFFLOAD_CHOICES = ("none", "target", "both")
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
+from ..choices import KV_DTYPES, MODES, OFFLOAD_CHOICES, REFERENCE_MODES, SCHEDULE_EVERY, TAU_MODES  # noqa: F401
 CONTEXT_CHOICES = ("auto", "global_cache", "recompute_window")
 SCHEDULE_CHOICES = ("auto", "self_forcing", "krea")
 
@@ -186,7 +179,7 @@ def _add_model_args(p, *, command: str) -> None:
                             "baseline need it)")
         g.add_argument("--random-accept-prob", "--random-p", dest="random_p", type=finite_float, default=0.73,
                        metavar="P", help="--mode random: the probability of keeping each draft, in [0, 1]")
-        g.add_argument("--schedule-every", type=int, default=3, metavar="K",
+        g.add_argument("--schedule-every", type=int, default=SCHEDULE_EVERY, metavar="K",
                        help="--mode schedule: the target makes block 0 and every k-th block (decided before drafting; "
                             "no reward model needed); 0 = only block 0")
         g.add_argument("--schedule-veto", action="store_true",

@@ -276,8 +276,9 @@ class Walk:
 
 
 def scheduled(b: int, every: int) -> bool:
-    """Whether mode ``schedule`` gives block ``b`` (1..n) to the target before drafting (``b % every == 0``)."""
-    return every > 0 and b % every == 0
+    """Whether mode ``schedule`` gives block ``b`` (1..n) to the target before drafting (the pipeline's rule,
+    :meth:`SDVGOptions.target_makes_block`)."""
+    return SDVGOptions(mode="schedule", schedule_every=every).target_makes_block(b)
 
 
 def walk(tree: ClipTree, router: RewardRouter, tau_state: TauState | None = None, *, schedule_every: int = 0) -> Walk:
@@ -432,7 +433,7 @@ def evaluate_random(trees, p: float) -> dict:
 def schedule_leaf(num_decisions: int, every: int) -> int:
     """The leaf of mode ``schedule`` (:class:`sdvg_engine.pipeline.SDVGOptions.schedule_every`): block ``b`` (1..n) is
     the drafter's unless ``every > 0`` and ``b % every == 0``; bit ``b - 1`` set = the draft kept."""
-    return sum(1 << (b - 1) for b in range(1, num_decisions + 1) if not (every > 0 and b % every == 0))
+    return sum(1 << (b - 1) for b in range(1, num_decisions + 1) if not scheduled(b, every))
 
 
 def evaluate_schedule(trees, every: int) -> dict:
