@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a device is checked: `sdvg --help` imports this module
@@ -108,3 +109,11 @@ def check_device(name: str, value) -> "torch.device":
     elif device.type not in ("cpu", "meta"):
         raise ValueError(f"{name}={str(device)!r} is not supported; use 'cpu' or 'cuda'")
     return device
+
+
+def check_path(name: str, value, what: str = "a checkpoint file") -> "str | os.PathLike":
+    """``value`` is a path (``str`` or ``os.PathLike``); else a ValueError naming ``name``, the value and the fix."""
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value):
+        raise ValueError(f"{name} must be the path of {what} (a str or pathlib.Path), got {value!r}; "
+                         f"pass e.g. {name}='models/{'drafter.safetensors' if 'checkpoint' in what else 'file'}'")
+    return value

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import presets
-from .checks import check_device
+from .checks import check_device, check_path
 from .context import ContextScheme, make_context_scheme
 from .generator import CausalGenerator
 from .models.loading import CONTEXT_SCHEMES, load_causal_wan
@@ -44,14 +44,6 @@ def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
 def checkpoint_schedule(architecture: str) -> str:
     """The schedule a checkpoint of ``architecture`` was distilled for (``krea`` for the 14B, else ``self_forcing``)."""
     return _OWN_SCHEDULE.get(architecture, DEFAULT_SCHEDULE)
-
-
-def check_path(name: str, value, what: str = "a checkpoint file") -> "str | os.PathLike":
-    """``value`` is a path (``str`` or ``os.PathLike``); else a ValueError naming ``name``, the value and the fix."""
-    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value):
-        raise ValueError(f"{name} must be the path of {what} (a str or pathlib.Path), got {value!r}; "
-                         f"pass e.g. {name}='models/{'drafter.safetensors' if 'checkpoint' in what else 'file'}'")
-    return value
 
 
 @dataclass(frozen=True)
