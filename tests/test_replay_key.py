@@ -192,7 +192,7 @@ def _shift(gen):
 
 
 def _kv_dtype(gen):
-    gen.model.kv_cache_dtype = torch.float8_e4m3fn
+    gen.model.use_runtime(kv_cache_dtype=torch.float8_e4m3fn)
 
 
 def _compute_dtype(gen):
@@ -226,7 +226,7 @@ def test_each_model_input_is_in_the_key(which, change):
 
 def test_the_compute_dtype_is_in_the_key_under_an_fp8_kv_cache():
     pipe = private_pipeline()
-    pipe.target.model.kv_cache_dtype = torch.float8_e4m3fn
+    pipe.target.model.use_runtime(kv_cache_dtype=torch.float8_e4m3fn)
     base = key_of(pipe)
     pipe.target.model.to(torch.bfloat16)  # the KV cache stays fp8; the model now computes in bf16
     assert key_of(pipe) != base
