@@ -258,3 +258,25 @@ def test_ctrl_c_during_a_run_cancels_cleanly(files, tmp_path):
     assert code == 130 and "Traceback" not in err, err
     assert "cancelled" in err.strip().splitlines()[-2]  # the last line is the HEAVY= probe
     assert not out.exists() or not [p for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_ctrl_c_while_the_cli_itself_imports_is_one_line():
+    """The `sdvg` script imports only `sdvg_engine.cli.main`; a Ctrl-C while that imports the rest of the CLI (the
+    window before `entry.main` can catch it) exits 130 with one line. The interrupt is made deterministic: an import
+    hook raises KeyboardInterrupt exactly when `sdvg_engine.cli.entry` starts importing."""
+    probe = textwrap.dedent("""
+        import sys
+        class Interrupt:
+            def find_spec(self, name, path=None, target=None):
+                if name == "sdvg_engine.cli.entry":
+                    raise KeyboardInterrupt
+                return None
+        sys.meta_path.insert(0, Interrupt())
+        from sdvg_engine.cli import main
+        sys.exit(main(["inspect", "x"]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=_env(),
+                          timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "sdvg: interrupted (Ctrl-C); no output was left half-written"
