@@ -66,11 +66,15 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
 
 
 def check_bool(name: str, value, *, fix: str = "") -> bool:
-    """``True`` or ``False`` (not a string such as ``'no'``, which Python would read as true, nor 0/1)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {_shown(value)} ({type(value).__name__})"
-                         + (f"; {fix}" if fix else f"; pass {name}=True or {name}=False"))
-    return value
+    """``True`` or ``False``, also as a NumPy bool or the whole numbers 0 and 1 (earlier releases ran with those); not
+    a string such as ``'no'``, which Python would read as true, nor any other number."""
+    if isinstance(value, bool):
+        return value
+    if (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")) or \
+            (isinstance(value, numbers.Integral) and int(value) in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {_shown(value)} ({type(value).__name__})"
+                     + (f"; {fix}" if fix else f"; pass {name}=True or {name}=False"))
 
 
 def check_choice(name: str, value, choices) -> str:

@@ -85,11 +85,12 @@ class SDVGOptions:
             fix="pass the drafter step the target continues from as a whole number (3 = the reference's best), "
                 "or None for full regeneration")
         self.cascade = check_bool("cascade", self.cascade)
+        # The cascade's own settings are range-checked only when it is on (earlier releases ignored them otherwise).
         self.cascade_frames = check_int(
-            "cascade_frames", self.cascade_frames, low=1,
+            "cascade_frames", self.cascade_frames, low=1 if self.cascade else None,
             fix="pass how many frames the cascade scores first, e.g. cascade_frames=4")
         self.cascade_margin = check_number(
-            "cascade_margin", self.cascade_margin, low=0.0,
+            "cascade_margin", self.cascade_margin, low=0.0 if self.cascade else None,
             fix="pass a margin >= 0 above tau for an early accept, e.g. cascade_margin=0.5")
         self.schedule_every = check_int(
             "schedule_every", self.schedule_every, low=0,

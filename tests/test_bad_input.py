@@ -545,12 +545,12 @@ OPTION_ROWS = {
     "random-p-string": ({"random_accept_prob": "0.5"}, ["random_accept_prob", "'0.5'", "random_accept_prob=0.73"]),
     "random-p-range": ({"random_accept_prob": 1.5}, ["random_accept_prob", "1.5", "[0, 1]"]),
     "cascade-margin-nan": ({"cascade_margin": NAN}, ["cascade_margin", "nan", "cascade_margin=0.5"]),
-    "cascade-margin-negative": ({"cascade_margin": -0.1}, ["cascade_margin", "-0.1", ">= 0"]),
+    "cascade-margin-negative": ({"cascade": True, "cascade_margin": -0.1}, ["cascade_margin", "-0.1", ">= 0"]),
     "cascade-frames-float": ({"cascade_frames": 2.0}, ["cascade_frames", "2.0", "cascade_frames=4"]),
-    "cascade-frames-zero": ({"cascade_frames": 0}, ["cascade_frames", "0", ">= 1"]),
+    "cascade-frames-zero": ({"cascade": True, "cascade_frames": 0}, ["cascade_frames", "0", ">= 1"]),
     "cascade-string": ({"cascade": "yes"}, ["cascade", "'yes'", "True or False"]),
     "force-first-block-string": ({"force_first_block": "no"}, ["force_first_block", "'no'", "True or False"]),
-    "force-first-block-int": ({"force_first_block": 0}, ["force_first_block", "0 (int)", "True or False"]),
+    "force-first-block-int": ({"force_first_block": 2}, ["force_first_block", "2 (int)", "True or False"]),
     "schedule-every-float": ({"mode": "schedule", "schedule_every": 1.5}, ["schedule_every", "1.5", "schedule_every=3"]),
     "schedule-every-bool": ({"mode": "schedule", "schedule_every": True}, ["schedule_every", "True", "whole number"]),
     "schedule-every-negative": ({"mode": "schedule", "schedule_every": -1}, ["schedule_every", "-1", ">= 0"]),
@@ -690,3 +690,22 @@ def test_loaders_refuse_bad_arguments(case, prepared):
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
     assert _digest(prepared) == before
+
+
+def test_options_made_by_earlier_releases_still_work():
+    """Values earlier releases ran with stay valid: NumPy bools and 0/1 as switches, and the cascade's settings out of
+    range while the cascade is off (they were ignored then and still are)."""
+    import dataclasses
+
+    import numpy as np
+
+    from sdvg_engine.options import SDVGOptions
+
+    opts = SDVGOptions(force_first_block=np.bool_(True), cascade=0, schedule_veto=np.False_)
+    assert (opts.force_first_block, opts.cascade, opts.schedule_veto) == (True, False, False)
+    assert all(type(v) is bool for v in (opts.force_first_block, opts.cascade, opts.schedule_veto))
+    assert SDVGOptions(force_first_block=1).force_first_block is True
+    off = SDVGOptions(cascade_frames=0, cascade_margin=-1.0)
+    assert (off.cascade_frames, off.cascade_margin) == (0, -1.0)
+    with pytest.raises(ValueError, match="cascade_frames must be a whole number >= 1, got 0"):
+        dataclasses.replace(off, cascade=True)
