@@ -121,3 +121,11 @@ def check_path(name: str, value, what: str = "a checkpoint file") -> "str | os.P
         raise ValueError(f"{name} must be the path of {what} (a str or pathlib.Path), got {value!r}; "
                          f"pass e.g. {name}='models/{'drafter.safetensors' if 'checkpoint' in what else 'file'}'")
     return value
+
+
+def check_exists(name: str, path) -> None:
+    """``path`` exists (a file or a model folder); else ``FileNotFoundError`` naming the argument and the path.
+    Nothing is ever downloaded, so a missing file is always the caller's to fix."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(2, f"{name}: no such file or folder: {os.fspath(path)!r} (nothing is downloaded: "
+                                   "check the path)", os.fspath(path))

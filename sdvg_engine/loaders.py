@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import presets
-from .checks import check_device, check_path
+from .checks import check_device, check_exists, check_path
 from .context import ContextScheme, make_context_scheme
 from .generator import CausalGenerator
 from .models.loading import CONTEXT_SCHEMES, load_causal_wan
@@ -240,17 +240,20 @@ def load_pipeline(*, drafter: str | os.PathLike, target: str | os.PathLike, vae:
         except TypeError as e:
             raise ValueError(f"router_options: {e}; valid keys are RewardRouter's (tau, tau_mode, accept_rate, "
                              "aggregation, crop, temporal_weight, preprocess, prior_mean, prior_std, prior_count)") from None
+    for arg, value in (("drafter", drafter), ("target", target), ("vae", vae), ("reward", reward)):
+        if value is not None:
+            check_exists(arg, value)  # every file before the first load: a typo must not cost a 14B's load time
     aux = aux_device or device
+    router = None
+    if reward is not None:  # first: a wrong reward file is found before the DiTs (minutes for a 14B) load
+        from .reward import load_image_reward
+
+        router = RewardRouter(load_image_reward(reward, device=aux), **router_options)
     streaming_vae = load_wan_vae(vae, device=aux, dtype=parse_dtype(vae_dtype))
     draft_dit = load_dit(drafter, name="drafter", dtype=dtype, device=drafter_device or device,
                          offload=drafter_offload, **model_options)
     target_dit = load_dit(target, name="target", dtype=dtype, device=device, fp8=fp8_target, offload=target_offload,
                           **model_options)
-    router = None
-    if reward is not None:
-        from .reward import load_image_reward
-
-        router = RewardRouter(load_image_reward(reward, device=aux), **router_options)
     bias = build_options.get("attention_bias")
     return build_pipeline(draft_dit, target_dit, streaming_vae, router, preset=preset, drafter_context=drafter_context,
                           target_context=target_context, drafter_schedule=drafter_schedule,

@@ -335,7 +335,9 @@ def load_wan_vae(
         ValueError: unreadable / corrupt file, not a Wan VAE, a Wan2.2 VAE, or missing / unexpected / mis-shaped keys.
             The message names the file.
     """
-    path = Path(path).expanduser()
+    from .checks import check_path
+
+    path = Path(check_path("path", path, "a Wan2.1 VAE file or folder")).expanduser()
     if not path.exists():
         raise FileNotFoundError(
             f"Wan2.1 VAE not found: '{path}'. load_wan_vae only reads local files and never downloads; pass the path "

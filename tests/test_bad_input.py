@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import signal
 import subprocess
@@ -709,3 +710,22 @@ def test_options_made_by_earlier_releases_still_work():
     assert (off.cascade_frames, off.cascade_margin) == (0, -1.0)
     with pytest.raises(ValueError, match="cascade_frames must be a whole number >= 1, got 0"):
         dataclasses.replace(off, cascade=True)
+
+
+@pytest.mark.parametrize("kind", ["dit", "vae"])
+def test_a_file_of_another_model_given_as_the_reward_says_what_it_is(tmp_path, kind):
+    """A Wan DiT or VAE handed to the reward slot is named for what it is and where it goes, instead of a list of
+    thousands of missing ImageReward keys."""
+    from safetensors.torch import save_file
+
+    from sdvg_engine.reward import load_image_reward
+
+    keys = (["model.diffusion_model.patch_embedding.weight", "model.diffusion_model.blocks.0.self_attn.q.weight"]
+            if kind == "dit" else ["decoder.conv1.weight", "encoder.downsamples.0.residual.0.gamma"])
+    path = tmp_path / f"{kind}.safetensors"
+    save_file({k: torch.zeros(2) for k in keys}, str(path))
+    what = "a Wan DiT (a drafter or target transformer)" if kind == "dit" else "a Wan VAE"
+    with pytest.raises(ValueError, match=re.escape(f"{kind}.safetensors: this is {what}, not an ImageReward "
+                                                   "checkpoint")) as e:
+        load_image_reward(path)
+    assert len(str(e.value)) < 300

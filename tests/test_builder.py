@@ -161,3 +161,24 @@ def test_the_toy_demo_writes_its_videos_through_video_io(tmp_path, monkeypatch):
     assert torch.equal(torch.stack(read), expected)
     with pytest.raises(ValueError, match="scale must be a whole number >= 1, got 0"):
         video_io.write_video(frames, tmp_path / "bad.webp", scale=0)
+
+
+def test_load_pipeline_finds_every_missing_or_wrong_file_before_the_dits_load(tmp_path, monkeypatch):
+    """A missing target, VAE or reward, or a DiT given as the reward, is refused before any DiT loads (a 14B takes
+    minutes): every path is checked first, and the reward (whose file kind is known only once read) loads first."""
+    import sdvg_engine.loaders as loaders
+    from sdvg_engine import load_pipeline, load_wan_vae
+
+    opened = []
+    real = loaders.load_dit
+    monkeypatch.setattr(loaders, "load_dit", lambda path, **kw: (opened.append(path), real(path, **kw))[1])
+    drafter = tmp_path / "drafter.safetensors"
+    drafter.write_bytes(b"")  # never read: every case fails earlier
+    for missing in ("target", "vae", "reward"):
+        paths = {"drafter": drafter, "target": drafter, "vae": drafter, "reward": drafter}
+        paths[missing] = tmp_path / f"no_{missing}.safetensors"
+        with pytest.raises(FileNotFoundError, match=f"{missing}: no such file or folder: .*no_{missing}"):
+            load_pipeline(**paths)
+    assert opened == []
+    with pytest.raises(ValueError, match="path must be the path of a Wan2.1 VAE file or folder"):
+        load_wan_vae(None)

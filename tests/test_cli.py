@@ -176,7 +176,7 @@ def _spy_loads(monkeypatch):
     ("draft_only", ["--drafter"], ["drafter"]),                      # no --target at all
     ("draft_only", ["--drafter", "--target", "--reward"], ["drafter"]),  # given, never opened
     ("target_only", ["--target"], ["target"]),
-    ("sdvg", ["--drafter", "--target", "--reward"], ["drafter", "target", "ImageReward"]),
+    ("sdvg", ["--drafter", "--target", "--reward"], ["ImageReward", "drafter", "target"]),  # the reward first
 ])
 def test_only_the_models_the_mode_uses_are_loaded(files, tmp_path, monkeypatch, mode, given, loaded):
     opened = _spy_loads(monkeypatch)

@@ -49,6 +49,12 @@ def build_pipeline(args):
                          "needs --reward (an ImageReward.pt file)")
     offload, kv_dtype = resolve_memory_args(args)  # --vram-gb / --offload / --kv-dtype (docs/memory.md)
     aux = args.aux_device or args.device
+    router = None
+    if options.scores_drafts:  # first: a wrong reward file is found before the DiTs (minutes for a 14B) load
+        from ..reward import load_image_reward
+        from ..router import RewardRouter
+
+        router = RewardRouter(load_image_reward(args.reward, device=aux), **router_kwargs(args))
     vae = load_wan_vae(args.vae, device=aux, dtype=parse_dtype(args.vae_dtype))
     loaded = {}
     for role, used, streamed in (("drafter", options.uses_drafter, offload == "both"),
@@ -57,12 +63,6 @@ def build_pipeline(args):
             kw = {k: v for k, v in generator_kwargs(args, role).items() if k not in _BUILD_KEYS}
             loaded[role] = load_dit(getattr(args, role), **kw, offload="blocks" if streamed else "none",
                                     kv_dtype=kv_dtype)
-    router = None
-    if options.scores_drafts:
-        from ..reward import load_image_reward
-        from ..router import RewardRouter
-
-        router = RewardRouter(load_image_reward(args.reward, device=aux), **router_kwargs(args))
     drafter = loaded.get("drafter", loaded.get("target"))
     target = loaded.get("target", drafter)
     return build(drafter, target, vae, router, preset=args.preset, drafter_context=args.drafter_context,

@@ -196,6 +196,29 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return dict(sd)
 
 
+#: (key markers, what the file is, where it goes): files of the other models of the stack given as the reward
+_OTHER_MODELS = (
+    (("patch_embedding.", "blocks.0.self_attn.", "blocks.0.attn1.", "condition_embedder."),
+     "a Wan DiT (a drafter or target transformer)", "pass it as the drafter or target (--drafter / --target)"),
+    (("encoder.block.", "shared.weight"), "a UMT5 text encoder", "pass it to `sdvg encode-prompts --text-encoder`"),
+    (("decoder.", "encoder.downsamples.", "encoder.down_blocks.", "conv1.", "post_quant_conv."), "a Wan VAE",
+     "pass it as the VAE (--vae)"),
+)
+
+
+def _refuse_other_model(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """A file with (almost) no ImageReward keys that is another model of the stack: say which, and where it goes,
+    instead of listing thousands of missing keys."""
+    keys = [k for k in state_dict if isinstance(k, str)]
+    if not keys or sum(k.startswith(("blip.", "mlp.")) for k in keys) * 2 > len(keys):
+        return
+    bare = [k.split("diffusion_model.", 1)[-1].removeprefix("model.").removeprefix("vae.") for k in keys]
+    for markers, what, fix in _OTHER_MODELS:
+        if any(k.startswith(markers) for k in bare):
+            raise ValueError(f"{source}: this is {what}, not an ImageReward checkpoint; {fix}. The reward model is "
+                             "ImageReward.pt (THUDM/ImageReward)")
+
+
 def build_model_from_state_dict(
     state_dict: Mapping[str, torch.Tensor],
     *,
@@ -205,6 +228,7 @@ def build_model_from_state_dict(
 ) -> ImageRewardModel:
     """Infer the config, validate strictly and return an eval-mode CPU model holding the
     checkpoint tensors (built on meta and filled with ``assign=True``: no double allocation)."""
+    _refuse_other_model(state_dict, source)
     try:
         cfg = infer_config(state_dict, vision_heads=vision_heads, text_heads=text_heads)
     except ValueError as e:  # e.g. non-square pos_embed, heads not dividing the width
