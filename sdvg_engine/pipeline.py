@@ -43,9 +43,10 @@ from .memo import RecordedBlock, ReplayMemo, _cpu
 from .options import MODES, CancelToken, GenerationCancelled, NonFiniteOutputError, SDVGOptions  # noqa: F401 (public here too)
 from .replay_key import model_identity as _model_identity, weights_fingerprint as _weights_fingerprint  # noqa: F401 (older imports)
 from .report import BlockRecord, Lap, SDVGResult, build_result, free_tau_interval  # noqa: F401 (public here too)
-from .router import RewardRouter, RouteDecision, TauState, temporal_consistency
+from .router import RandomRouter, RewardRouter, RouteDecision, TauState, temporal_consistency  # noqa: F401
+from .sampling import SeededNoise  # noqa: F401 (imported from here by earlier releases' callers)
 from .run import TEXT_LEN, pad_text, video_frames_to_latent_frames  # noqa: F401 (public here too)
-from .run import Run, all_finite, check_parts, compact, start_run, to_host
+from .run import Run, all_finite, check_parts, check_run_hooks, compact, start_run, to_host
 from .sampling import NoiseSource
 from .workers import wait
 
@@ -147,6 +148,7 @@ class SpeculativePipeline:
                 (CPU threads: the target beside the drafter side); default: the pipeline's :attr:`workers`.
                 Every choice gives bit-identical outputs; see :mod:`sdvg_engine.workers`.
         """
+        check_run_hooks(on_block=on_block)
         started = time.perf_counter()
         for record in self.stream(prompt_embeds, prompt=prompt, num_frames=num_frames, width=width, height=height,
                                   seed=seed, options=options, noise=noise, cancel=cancel, before_call=before_call,

@@ -266,6 +266,23 @@ def check_run_inputs(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frame
     return options
 
 
+def check_run_hooks(*, noise=None, cancel=None, before_call=None, on_block=None, tau_state=None) -> None:
+    """Refuse a hook of the wrong kind before any model runs (it would fail deep inside the run otherwise)."""
+    from .router import TauState
+
+    if noise is not None and not all(callable(getattr(noise, m, None)) for m in ("initial", "step")):
+        raise ValueError(f"noise must be a noise source with initial() and step() (e.g. sdvg_engine.SeededNoise(42) "
+                         f"or TensorNoise), got {type(noise).__name__} {str(noise)[:60]}; or leave it None to use seed")
+    if cancel is not None and not hasattr(cancel, "cancelled"):
+        raise ValueError(f"cancel must be a CancelToken (from sdvg_engine import CancelToken), got "
+                         f"{type(cancel).__name__} {str(cancel)[:60]}")
+    for name, hook in (("before_call", before_call), ("on_block", on_block)):
+        if hook is not None and not callable(hook):
+            raise ValueError(f"{name} must be a function (or None), got {type(hook).__name__} {str(hook)[:60]}")
+    if tau_state is not None and not isinstance(tau_state, TauState):
+        raise ValueError(f"tau_state must be a TauState (router.new_tau_state()), got {type(tau_state).__name__}")
+
+
 def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, width, height, seed, options, noise, cancel,
               before_call, tau_state, workers) -> Run:
     """Check the inputs, plan the workers and the replay, and start the models on a new video: the :class:`Run`."""
@@ -273,6 +290,7 @@ def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, widt
     if previous is not None:  # a stream left unfinished must not keep working on the models this run resets
         previous.workers.abandon()
     opts = check_run_inputs(pipe, prompt_embeds, prompt, num_frames, width, height, seed, options, noise)
+    check_run_hooks(noise=noise, cancel=cancel, before_call=before_call, tau_state=tau_state)
     fpb = pipe.target.frames_per_block
     num_blocks = video_frames_to_latent_frames(num_frames, fpb) // fpb
     prompt_embeds = pad_text(prompt_embeds)

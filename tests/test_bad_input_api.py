@@ -25,6 +25,11 @@ ROWS = {
     "seed-bool": ({"seed": True}, ["seed", "True", "bool"]),
     "seed-2**64+1": ({"seed": 2**64 + 1}, ["seed", str(2**64 + 1), "0..18446744073709551615"]),
     "seed-2**200": ({"seed": 2**200}, ["seed", str(2**200)[:20], "0..18446744073709551615"]),
+    # hooks of the wrong kind (they failed deep inside the run: AttributeError / TypeError)
+    "cancel-string": ({"cancel": "x"}, ["cancel", "str", "CancelToken"]),
+    "noise-string": ({"noise": "x"}, ["noise", "str", "initial() and step()"]),
+    "before_call-string": ({"before_call": "x"}, ["before_call", "str", "function"]),
+    "tau_state-string": ({"tau_state": "x"}, ["tau_state", "str", "TauState"]),
 }
 
 
@@ -87,3 +92,12 @@ def test_options_as_a_dict_names_the_fix(pipe):
     with pytest.raises(ValueError, match=r"options must be an SDVGOptions, got dict"):
         pipe.generate(prompt_embeds(), options={"mode": "target_only"}, **GOOD)
     assert pipe.generate(prompt_embeds(), options=SDVGOptions(mode="target_only"), **GOOD).frames.shape[0] == 9
+
+
+def test_on_block_of_the_wrong_kind_is_refused_before_any_model_call(pipe, monkeypatch):
+    calls = []
+    monkeypatch.setattr(pipe.drafter.model, "forward_block", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(pipe.target.model, "forward_block", lambda *a, **k: calls.append(a))
+    with pytest.raises(ValueError, match="on_block must be a function .*got str"):
+        pipe.generate(prompt_embeds(), on_block="x", **GOOD)
+    assert not calls
