@@ -28,10 +28,9 @@ from sdvg_engine.checks import check_choice, check_int
 from sdvg_engine.choices import SCHEDULE_EVERY
 from sdvg_engine.comfy_bridge import ModuleHolder
 from sdvg_engine.vae import wan_vae_from_state_dict
-from sdvg_engine.context import make_context_scheme
 from sdvg_engine.generator import CausalGenerator
 from sdvg_engine import presets
-from sdvg_engine.loaders import LoadedDiT, build_pipeline, load_generator, parse_dtype
+from sdvg_engine.loaders import LoadedDiT, build_generator, build_pipeline, load_generator, parse_dtype
 from sdvg_engine.memo import ReplayMemo
 from sdvg_engine.offload import ResidentPart, check_offload_device, enable_block_offload
 from sdvg_engine.pipeline import SDVGOptions, SDVGResult, SpeculativePipeline, video_frames_to_latent_frames
@@ -208,17 +207,14 @@ class SDVGModel:
 
     def new_generator(self, preset: str | None = None) -> CausalGenerator:
         """A fresh generator for one run (own KV cache, context state and counters), configured by ``preset``
-        (``None``: as loaded, i.e. as the checkpoint says)."""
-        scheme, schedule, source = self.context_scheme, self.schedule, None
-        if preset is not None:
-            scheme, schedule, source = presets.resolve(
-                preset, self.role, context_scheme=self.requested_context_scheme, schedule="auto",
-                checkpoint_context=self.info.context_scheme, checkpoint_schedule=self.schedule)
-        gen = CausalGenerator(self.model, schedule=schedule, context=make_context_scheme(scheme, max_frames=self.max_frames),
-                              name=self.role)
-        if source is not None:
-            gen.settings_source = source
-        return gen
+        (``None``: as loaded, i.e. as the checkpoint says), through the one builder
+        (:func:`sdvg_engine.loaders.build_generator`, where presets are applied)."""
+        if preset is None:
+            dit = LoadedDiT(self.model, self.context_scheme, self.schedule, self.info)
+            return build_generator(dit, name=self.role, max_frames=self.max_frames)
+        dit = LoadedDiT(self.model, self.info.context_scheme, self.schedule, self.info)
+        return build_generator(dit, name=self.role, preset=preset, context_scheme=self.requested_context_scheme,
+                               max_frames=self.max_frames)
 
     def describe(self) -> dict:
         return {"file": os.path.basename(self.path), "architecture": self.info.architecture, "dtype": self.dtype,

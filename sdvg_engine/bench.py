@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .options import SDVGOptions
+
 
 def run_key(prompt: str, seed: int, mode: str, tau: float | None) -> str:
     return json.dumps([prompt, seed, mode, None if tau is None else float(tau)])
@@ -30,7 +32,7 @@ def runs_for(prompts: list[str], taus: list[float], modes: list[str], seed: int)
     runs = []
     for i, prompt in enumerate(prompts):
         for mode in modes:
-            for tau in (taus if mode == "sdvg" else [None]):
+            for tau in (taus if SDVGOptions(mode=mode).scores_drafts else [None]):
                 runs.append({"prompt_index": i, "prompt": prompt, "seed": seed + i, "mode": mode, "tau": tau})
     return runs
 
@@ -116,7 +118,6 @@ def evaluate(scorer, frames: torch.Tensor, prompt: str) -> dict:
 def bench_rows(pipe, scorer, contexts: dict, runs: list[dict], *, num_frames: int, width: int, height: int, out_file: Path,
                done: set[str], router_factory, log=print) -> int:
     """Run every run not in ``done``, appending one JSON line each to ``out_file``; returns how many ran."""
-    from .pipeline import SDVGOptions
 
     ran = 0
     for run in runs:
