@@ -55,9 +55,9 @@ def test_every_flag_of_every_command_has_help_and_its_default():
             assert "default" in shown.lower() or "required" in shown.lower(), \
                 f"{name} {flag}: the help does not say the default: {shown!r}"
             counted += 1
-    assert counted >= 100  # every flag of the four commands and --debug (generate alone has 51)
+    assert counted >= 100  # every flag of the four commands and --debug (generate alone has 52)
     generate = commands["generate"]
-    assert len(_flag_actions(generate)) == 51
+    assert len(_flag_actions(generate)) == 52
     # Grouped: only -h in argparse's catch-all group; the groups a reader scans for.
     titles = [g.title for g in generate._action_groups if g._group_actions]
     assert titles[0] == "options" and [a.dest for a in generate._action_groups[1]._group_actions] == ["help"]
@@ -280,3 +280,18 @@ def test_ctrl_c_while_the_cli_itself_imports_is_one_line():
     assert proc.returncode == 130, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "sdvg: interrupted (Ctrl-C); no output was left half-written"
+
+
+def test_target_dtype_is_the_target_loader_nodes_dtype():
+    """`--target-dtype` speaks the target loader node's `dtype`: fp8 is exactly `--fp8-target` (float8 block weights,
+    computed in --dtype); bf16/fp16/fp32 set the target's compute dtype alone (the drafter keeps --dtype)."""
+    from sdvg_engine.cli.generate import generator_kwargs
+
+    parser = cli_args.build_parser()
+    base = ["generate", "--drafter", "d", "--target", "t", "--vae", "v", "--prompt", "x"]
+    assert vars(parser.parse_args(base + ["--target-dtype", "fp8"])) == vars(parser.parse_args(base + ["--fp8-target"]))
+    args = parser.parse_args(base + ["--target-dtype", "fp32"])
+    assert generator_kwargs(args, "target")["dtype"] == "fp32" and not generator_kwargs(args, "target")["fp8"]
+    assert generator_kwargs(args, "drafter")["dtype"] == "bf16"
+    plain = parser.parse_args(base)
+    assert generator_kwargs(plain, "target")["dtype"] == generator_kwargs(plain, "drafter")["dtype"] == "bf16"

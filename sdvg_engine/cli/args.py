@@ -241,6 +241,9 @@ def _add_model_args(p, *, command: str) -> None:
     g.add_argument("--vae-dtype", default="fp32", help="the VAE's dtype: bf16, fp16 or fp32")
     g.add_argument("--fp8-target", action="store_true",
                    help="store the target's block weights in float8 (the target loader node's dtype fp8)")
+    g.add_argument("--target-dtype", action=_TargetDtype, choices=("bf16", "fp16", "fp32", "fp8"), default=None,
+                   help="the target loader node's dtype: bf16, fp16 or fp32 computes the target in that dtype, fp8 "
+                        "is --fp8-target; default: --dtype")
     if not bench:
         g.add_argument("--vram-gb", type=float, default=None, metavar="GB",
                        help="plan for ONE card of this many GiB (e.g. 24, 16): sets --fp8-target, --offload, "
@@ -258,6 +261,17 @@ def _add_model_args(p, *, command: str) -> None:
     g.add_argument("--workers", choices=("auto", "1", "2"), default="auto",
                    help="auto: overlap verification with the target when they sit on different devices (e.g. "
                         "--drafter-device cuda:1 --aux-device cuda:1); 1: sequential; 2: two CPU threads. Same outputs")
+
+
+class _TargetDtype(argparse.Action):
+    """``--target-dtype`` as the target loader node's ``dtype``: ``fp8`` means ``--fp8-target`` (float8 block weights,
+    computed in ``--dtype``), the others set the target's compute dtype."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if value == "fp8":
+            namespace.fp8_target = True
+        else:
+            namespace.target_dtype = value
 
 
 def build_parser() -> argparse.ArgumentParser:

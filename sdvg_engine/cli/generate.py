@@ -19,7 +19,8 @@ def generator_kwargs(args, role: str) -> dict:
     if role == "drafter":
         return dict(common, device=args.drafter_device or args.device, context_scheme=args.drafter_context,
                     schedule=args.drafter_schedule)
-    return dict(common, device=args.device, fp8=args.fp8_target, context_scheme=args.target_context,
+    return dict(common, dtype=getattr(args, "target_dtype", None) or args.dtype, device=args.device, fp8=args.fp8_target,
+                context_scheme=args.target_context,
                 schedule=args.target_schedule, attention_bias=args.attention_bias)
 
 
