@@ -20,7 +20,7 @@ router - random (exact random expectation at the same acceptance) with 95% boots
 quality/speed Pareto front of all of them. The cost model's per-block seconds are measured in the same run
 (``tree.measure_block_seconds``; ``--block-seconds FILE`` reuses a report's). ``--time``: each chosen setting run by
 the pipeline on the first ``--time-prompts`` report prompts, 1 worker, median of ``--repeats`` summed wall times
-against target-only's (run it alone on the machine). Writes ``--out`` (JSON). See docs/routing.md.
+against target-only's (run it alone on the machine). Writes ``--out`` (JSON). See docs/dev/routing.md.
 """
 
 from __future__ import annotations

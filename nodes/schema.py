@@ -125,7 +125,7 @@ KV_DTYPES = tuple(d for d in choices.KV_DTYPES if d in ("auto", "fp8"))  # the t
 #: the loaders' ``card`` input (appended, optional): one choice that applies the memory plan for that card size
 #: (``sdvg_engine.offload.plan_memory`` at 832x480, 81 frames); ``manual`` uses the loader's own widgets.
 CARDS = ("manual", "16 GB", "24 GB", "48 GB", "80 GB")
-#: Router defaults for a node added from the menu: the held-out routing benchmark's choice (docs/routing.md).
+#: Router defaults for a node added from the menu: the held-out routing benchmark's choice (docs/dev/routing.md).
 #: Saved workflows keep their own values (they store every widget).
 DEFAULT_TAU_MODE, DEFAULT_TAU = "relative", -0.25
 TAU_MODES = choices.TAU_MODES

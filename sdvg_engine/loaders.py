@@ -206,7 +206,7 @@ def load_pipeline(*, drafter: str | os.PathLike, target: str | os.PathLike, vae:
 
     ``router_options`` go to :class:`RewardRouter` (``tau``, ``tau_mode``, ``accept_rate``, ``aggregation`` ...),
     with :func:`sdvg_engine.router.default_router_options`: relative routing with margin -0.25 when no threshold is
-    given (the held-out choice, docs/routing.md), the paper's fixed scale when only ``tau`` is
+    given (the held-out choice, docs/dev/routing.md), the paper's fixed scale when only ``tau`` is
     (``router_options=PAPER_ROUTER_OPTIONS``: the paper's tau = -0.7);
     ``offload``: ``"none"`` / ``"target"`` / ``"both"`` stream those models' blocks from CPU RAM (``"blocks"`` = both);
     ``target_attention_bias``: the target's recompute-window attention bias (``attention_bias`` in ``model_options``

@@ -99,7 +99,7 @@ __all__ = [
 
 AGGREGATIONS = ("min", "mean")
 #: The router the API (``load_pipeline``) and the CLI use when none is asked for: relative routing, chosen on the
-#: toy world's held-out split (docs/routing.md: of the routers, on the report set's quality/speed front from 1.7x up,
+#: toy world's held-out split (docs/dev/routing.md: of the routers, on the report set's quality/speed front from 1.7x up,
 #: +0.020 over random at acceptance 0.7-0.95; fixed tau is no better than random there). Its margin -0.25 keeps the
 #: share of drafts the paper's tau = -0.7 keeps (82%) on real ImageReward scores: calibrated on the reference's own
 #: draft scores (reference_per_prompt.csv, the keep-every-draft run, even prompts; the odd ones give -0.27).

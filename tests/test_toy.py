@@ -110,9 +110,9 @@ def test_short_demo_run(tmp_path):
 
 
 def test_shipped_models_show_the_target_drafter_gap():
-    """The shipped weights do what the README says: the target renders the caption from its first block on and
+    """The shipped weights do what docs/dev/toy_world.md says: the target renders the caption from its first block on and
     beats the drafter clearly; the drafter continues a target-made first block better than it starts a clip.
-    (45 frames, two prompts where the 32-clip trees show a wide gap; the README reports all 32.)"""
+    (45 frames, two prompts where the 32-clip trees show a wide gap; docs/dev/results.md reports all 32.)"""
     from sdvg_engine.pipeline import SDVGOptions
     from sdvg_engine.toy import demo
 

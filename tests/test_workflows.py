@@ -181,7 +181,7 @@ def test_every_input_and_output_is_documented_and_valid():
     assert sampler.input("reward_prompt").multiline and "TEXT" in sampler.input("reward_prompt").tooltip
     tau = schema.REWARD_ROUTER.input("tau")
     assert (tau.min, tau.max, tau.step, tau.default, tau.slider) == (-5.0, 5.0, 0.05, -0.25, True)
-    # a router added from the menu starts where the held-out benchmark chose (docs/routing.md): relative, -0.25
+    # a router added from the menu starts where the held-out benchmark chose (docs/dev/routing.md): relative, -0.25
     assert schema.REWARD_ROUTER.input("tau_mode").default == "relative"
     assert schema.SAMPLER.input("length").min == 9 and (schema.MAX_LENGTH - 9) % 12 == 0
 

@@ -89,7 +89,7 @@ def flag_name(args, dest: str, fallback: str) -> str:
 
 
 def resolve_router_defaults(args) -> None:
-    """``--tau-mode`` left out: relative routing with margin -0.25 (the held-out choice, docs/routing.md), unless a
+    """``--tau-mode`` left out: relative routing with margin -0.25 (the held-out choice, docs/dev/routing.md), unless a
     threshold was given (``--tau`` / ``--taus``), which is on the paper's fixed scale, the only one before the default
     changed: ``--tau -0.7`` alone is the paper's router. ``--tau`` / ``--taus`` left out: the mode's default."""
     # The API's rule (router.default_router_options); --taus counts as a threshold given.

@@ -22,7 +22,7 @@ use ``"torch"`` where gradients must flow to the frames.
 
 ``"torch"``: the fast path, all on the model's device: torch antialiased bicubic on the float
 frames (no 8-bit step), the same geometry, clamp to [0, 1], normalise. Error against the PIL path
-(``bench/bench_reward.py``, docs/reward_preprocessing.md; 12 frames of 480x832): max |pixel
+(``bench/bench_reward.py``, docs/dev/reward_preprocessing.md; 12 frames of 480x832): max |pixel
 difference| 0.027 (smooth frames) to 0.083 (noise) in CLIP-normalised units, mean 0.0075 (mostly
 the reference's 8-bit truncation, -0.5/255 on average); on real photographs the resampler alone
 was measured up to 0.15. Scores moved by up to 1.3e-2 on a random test model (resampler alone:

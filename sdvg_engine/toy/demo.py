@@ -48,7 +48,7 @@ SHOWCASE_PROMPTS = (
 
 
 # Routing settings chosen on the design set of the held-out split (tree.DESIGN_PROMPTS: prompts 0-47) by
-# bench/bench_routing.py (docs/routing.md). The demo judges them, and its taus, on report-set clips (tree.REPORT_PROMPTS), which nothing was
+# bench/bench_routing.py (docs/dev/routing.md). The demo judges them, and its taus, on report-set clips (tree.REPORT_PROMPTS), which nothing was
 # chosen on. Keys and values as the tree tool's grids: {mode: setting}.
 ROUTING_CHOICE = {  # the best quality at >= 1.6x (cost model) on the design set, rounded (outputs/routing.json)
     "fixed": -0.918,
@@ -462,7 +462,7 @@ def main(argv=None) -> dict:
     if f["trees_match_runs"] is False:
         print("  (warning: a tree path differs from its sdvg run; the trees were built with other weights or settings?)")
     kinds = sorted({Path(v).suffix for v in files["videos"]})
-    print("(the 40-clip figures: python bench/bench_routing.py; docs/routing.md)")
+    print("(the 40-clip figures: python bench/bench_routing.py; docs/dev/routing.md)")
     note = "" if ".mp4" in kinds or not kinds else " (WebP only: install PyAV for MP4)"
     print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/{note}, acceptance_mask.png, pareto.png, "
           f"report.json ({report['seconds']:.0f}s)")

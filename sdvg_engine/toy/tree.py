@@ -21,12 +21,12 @@ as its exact expectation, not by sampling:
 
 with ``k(L)`` the accepted drafts on the path to ``L`` and ``n = B - 1`` the drafted blocks, per clip, then averaged
 over clips, with ``p`` the router's realized acceptance over all clips (accepted / drafted blocks). Confidence
-intervals resample clips (bootstrap, seeded). See docs/toy_tree.md for every number of the report.
+intervals resample clips (bootstrap, seeded). See docs/dev/toy_tree.md for every number of the report.
 
 The cost model counts what each router runs: verify-then-decide routers draft, decode and score every routed block;
 random routing and schedules decide before drafting, so a block they give the target costs the target alone.
 ``--split design|report`` takes the fixed held-out split (:data:`DESIGN_PROMPTS`, :data:`REPORT_PROMPTS`);
-``bench/bench_routing.py`` chooses on one and reports on the other (docs/routing.md).
+``bench/bench_routing.py`` chooses on one and reports on the other (docs/dev/routing.md).
 
 ``--keep-frames`` also saves the frames every node scored (:mod:`.tree_frames`), so that ``--reward FILE`` can score
 the same trees with another reward model without generating anything, and the report compares the scores with the
@@ -560,7 +560,7 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
     share r for ``accept_rate``), ``schedule`` (k), ``random`` (p, decided before drafting) and ``schedule_veto_<m>``
     (``(k, tau_mode, tau)``: the schedule with a veto, :func:`walk`); default :func:`default_grids`. ``extra_bands``:
     ``{name: (lo, hi)}``, more acceptance bands to average router - random over (``average_in_bands[name][mode]``).
-    See docs/toy_tree.md for the fields."""
+    See docs/dev/toy_tree.md for the fields."""
     if not trees:
         raise ValueError("no trees to analyse")
     clips = _Clips.of(trees)
