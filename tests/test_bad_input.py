@@ -374,6 +374,7 @@ def _env():
     return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
 
 
+@pytest.mark.slow
 def test_subprocess_errors_are_one_line_with_status_2(prepared):
     """Through the real entry point: status 2, one line, no traceback; ``--debug`` shows the traceback."""
     argv = [sys.executable, "-m", "sdvg_engine.cli", "inspect", str(prepared / B / "truncated.safetensors")]
@@ -402,6 +403,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_subprocess_ctrl_c_while_loading_exits_130(prepared):
     """SIGINT while a model is loading (after the VAE, inside the drafter read): 130, one line, no traceback,
     and no output folder left behind."""
@@ -518,6 +520,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_subprocess_ctrl_c_keeps_a_complete_set(prepared, tmp_path):
     """Ctrl-C during video 2 of 2 with --overwrite over a 3-video run: exit 130; the folder holds video 1, its mask
     and a report of that one video, and none of the earlier run's files (never a mix); other files are kept."""

@@ -67,6 +67,7 @@ def test_shard_covers_every_run_once():
     assert len(set(keys)) == len(keys) == 15
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun(files, tmp_path):
     out = tmp_path / "dist.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")

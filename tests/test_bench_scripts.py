@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_writes_its_json_and_table(tmp_path):
     """`make gpu-check`'s CPU mode: the CUDA-only test selection (all skipped here) and every real_size configuration
     (resident, fp8, offload + fp8 KV, 2 lanes), one JSON and one markdown table. (It runs bench/real_size.py --tiny four

@@ -143,6 +143,7 @@ def test_fused_qkv_matches_unfused(text):
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 def test_compiled_forward_block_matches_eager_and_writes_the_cache(text):
     """The traced graph (aot_eager: dynamo capture + functionalized in-place cache writes, no C++ codegen,
     so it runs in seconds) must equal eager for growing KV prefixes, and keep the state dict."""

@@ -63,6 +63,7 @@ def kv_bytes(model: dict, frames: int, kv_dtype: str = "auto") -> int:
     return rows * per_row + model["layers"] * 2 * 512 * model["dim"] * 2
 
 
+@pytest.mark.slow
 def test_kv_caches_weights_and_vae_are_exact(results):
     for config, r in results.items():
         drafter_frames = 21 if config.preset == "native" else 6  # global cache: the whole video; window: 3 + 3
@@ -218,6 +219,7 @@ def test_the_cap_check_fails_when_a_recording_would_not_fit(results):
         check_recording_fits(small)
 
 
+@pytest.mark.slow
 def test_bench_dry_run_exits_1_when_a_figure_leaves_the_plan():
     """bench/dry_run.py with every plan figure made 1% smaller (--plan-scale 0.99) must fail, naming the rows."""
     import subprocess

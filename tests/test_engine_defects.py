@@ -7,16 +7,15 @@ import math
 import threading
 
 import pytest
-import torch
 
 import sdvg_engine.memo as memo_module
-import sdvg_engine.pipeline as pipeline_module
 from sdvg_engine.context import RecomputeWindow
 from sdvg_engine.generator import CausalGenerator
 from sdvg_engine.memo import ReplayMemo, _tensors, recording_bytes
 from sdvg_engine.pipeline import SDVGOptions, SpeculativePipeline
 from sdvg_engine.router import RewardRouter
 from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts, tiny_pipeline
+from test_host_copies import _spy as spy_host_copies
 from test_workers import assert_same
 
 PROMPT = "a red ball rolling on grass"
@@ -46,14 +45,7 @@ def reference_pipeline(tau: float, tau_mode: str = "fixed") -> SpeculativePipeli
 def test_kept_drafts_cross_to_the_host_only_on_the_vae_worker(monkeypatch, scores):
     """With 2 workers every block's decoded frames are copied for the recording on the VAE's lane; the main thread
     (which finishes blocks) never copies or even looks up frames, kept drafts included."""
-    calls, real = [], pipeline_module._cpu
-
-    def spy(value, copies=None):
-        if isinstance(value, torch.Tensor) and value.ndim == 5 and value.shape[1] == 3 and copies is not None:
-            calls.append((value.untyped_storage().data_ptr(), threading.current_thread().name))
-        return real(value, copies)
-
-    monkeypatch.setattr(pipeline_module, "_cpu", spy)
+    calls = spy_host_copies(monkeypatch)
     pipe = tiny_pipeline(tau=(scores[0] + scores[1]) / 2)
     pipe.memo = ReplayMemo()
     result = run(pipe, workers=2)

@@ -31,7 +31,7 @@ from sdvg_engine.cli import entry
 from sdvg_engine.models import comfy_layout
 from sdvg_engine.models.comfy_layout import export_comfy
 from sdvg_engine.models.loading import load_causal_wan, save_checkpoint
-from wan_fixtures import text_context, tiny_wan, to_original_keys
+from wan_fixtures import text_context, tiny_wan, to_original_keys, write_checkpoint as _write
 
 FORMATS = ["self_forcing", "krea", "comfyui", "wan_original", "diffusers_folder", "diffusers"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -43,31 +43,6 @@ def source():
     return tiny_wan(seed=4)
 
 
-def _write(fmt, model, folder: Path) -> Path:
-    """``model`` saved in one of the formats users have (the same layouts tests/test_loading.py checks)."""
-    diffusers_sd = {k: v.clone() for k, v in model.state_dict().items()}
-    original = to_original_keys(diffusers_sd)
-    if fmt == "self_forcing":
-        path = folder / "self_forcing_dmd.pt"
-        prefixed = {f"model.{k}": v for k, v in original.items()}
-        noise = {k: torch.randn_like(v) for k, v in prefixed.items()}  # the raw generator: must not be exported
-        torch.save({"generator": noise, "critic": {"x": torch.zeros(1)}, "generator_ema": prefixed}, path)
-    elif fmt == "krea":
-        path = folder / "krea-realtime-video-14b.safetensors"
-        save_file({f"model.{k}": v for k, v in original.items()}, str(path))
-    elif fmt == "comfyui":
-        path = folder / "wan_causal_comfy.safetensors"
-        save_file({f"model.diffusion_model.{k}": v for k, v in original.items()}, str(path))
-    elif fmt == "wan_original":
-        path = folder / "wan_original.pth"
-        torch.save(original, path)
-    elif fmt == "diffusers_folder":
-        path = folder / "transformer"
-        model.save_pretrained(path)
-    elif fmt == "diffusers":
-        path = folder / "diffusers_keys.safetensors"
-        save_file(diffusers_sd, str(path))
-    return path
 
 
 def comfy_layout_keys(num_layers: int) -> set[str]:

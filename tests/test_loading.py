@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
 from sdvg_engine.models.loading import CheckpointError, inspect_checkpoint, load_causal_wan, save_checkpoint, _infer_config
-from wan_fixtures import text_context, tiny_wan, to_original_keys
+from wan_fixtures import text_context, tiny_wan, to_original_keys, write_checkpoint as _write
 
 
 @pytest.fixture(scope="module")
@@ -27,30 +27,6 @@ def _output(model, x):
     return model.forward_block(x, torch.full((1, 3), 833.3333333333334), model.encode_text(text_context()))
 
 
-def _write(fmt, source, tmp_path):
-    diffusers_sd = {k: v.clone() for k, v in source.state_dict().items()}
-    original = to_original_keys(diffusers_sd)
-    if fmt == "self_forcing":
-        path = tmp_path / "self_forcing_dmd.pt"
-        prefixed = {f"model.{k}": v for k, v in original.items()}
-        noise = {k: torch.randn_like(v) for k, v in prefixed.items()}
-        torch.save({"generator": noise, "critic": {"x": torch.zeros(1)}, "generator_ema": prefixed}, path)
-    elif fmt == "krea":
-        path = tmp_path / "krea-realtime-video-14b.safetensors"
-        save_file({f"model.{k}": v for k, v in original.items()}, str(path))
-    elif fmt == "comfyui":
-        path = tmp_path / "wan_causal_comfy.safetensors"
-        save_file({f"model.diffusion_model.{k}": v for k, v in original.items()}, str(path))
-    elif fmt == "wan_original":
-        path = tmp_path / "wan_original.pth"
-        torch.save(original, path)
-    elif fmt == "diffusers_folder":
-        path = tmp_path / "transformer"
-        source.save_pretrained(path)
-    elif fmt == "diffusers":
-        path = tmp_path / "diffusers_keys.safetensors"
-        save_file(diffusers_sd, str(path))
-    return path
 
 
 def test_original_key_map_round_trips(source):

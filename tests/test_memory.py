@@ -214,6 +214,7 @@ def _bench(script, *args):
                           timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_memory_plan_prints_the_single_card_rows():
     proc = _bench("memory_plan.py")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -224,6 +225,7 @@ def test_memory_plan_prints_the_single_card_rows():
     assert "| 8 GB (RTX 4060 8GB, 12 TFLOP/s) | **no** |" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_real_size_offload_refuses_without_cuda():
     proc = _bench("real_size.py", "--offload", "target")

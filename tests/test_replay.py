@@ -36,6 +36,7 @@ def taus_for(scheme, **opts):
     return [-math.inf, math.inf] + [(x + y) / 2 for x, y in zip(ordered, ordered[1:])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["global_cache", "recompute_window"])
 def test_replay_equals_a_fresh_run_wherever_the_first_flip_is(scheme):
     taus = taus_for(scheme)

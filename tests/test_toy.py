@@ -60,6 +60,7 @@ def test_shipped_weights_match_their_hashes():
     assert total <= 32 * 2**20  # the 12-layer target is 27 MB of it (grown for the real cost ratio)
 
 
+@pytest.mark.slow
 def test_short_demo_run(tmp_path):
     from sdvg_engine.toy import demo
 

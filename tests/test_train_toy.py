@@ -128,6 +128,7 @@ def test_run_state_resumes_bit_exactly(train_toy, tmp_path):
     assert (tmp_path / "b" / "r.done").exists()
 
 
+@pytest.mark.slow
 def test_shipped_vae_holds_whole_streams(train_toy):
     """Issue 16's acceptance rule on the shipped VAE: for every colour, the round trip of blocks 3-6 of an 81-frame
     stream keeps >= 90% of blocks 1-2 (the shipped VAE: 92-105%; the VAE before it lost blue after block 2: 0.0

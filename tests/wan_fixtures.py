@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import torch
+from safetensors.torch import save_file
 
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
 
@@ -108,3 +109,34 @@ def vae_key_to_original(key: str) -> str:
     if m := re.match(r"up_blocks\.(\d)\.upsamplers\.0\.(.*)", rest):
         return f"{side}.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
     raise KeyError(key)
+
+
+#: the checkpoint layouts users have, as :func:`write_checkpoint` writes them
+CHECKPOINT_FORMATS = ("self_forcing", "krea", "comfyui", "wan_original", "diffusers_folder", "diffusers")
+
+
+def write_checkpoint(fmt: str, source, tmp_path):
+    """``source`` saved in one of the formats users have (:data:`CHECKPOINT_FORMATS`); returns the file or folder."""
+    diffusers_sd = {k: v.clone() for k, v in source.state_dict().items()}
+    original = to_original_keys(diffusers_sd)
+    if fmt == "self_forcing":
+        path = tmp_path / "self_forcing_dmd.pt"
+        prefixed = {f"model.{k}": v for k, v in original.items()}
+        noise = {k: torch.randn_like(v) for k, v in prefixed.items()}
+        torch.save({"generator": noise, "critic": {"x": torch.zeros(1)}, "generator_ema": prefixed}, path)
+    elif fmt == "krea":
+        path = tmp_path / "krea-realtime-video-14b.safetensors"
+        save_file({f"model.{k}": v for k, v in original.items()}, str(path))
+    elif fmt == "comfyui":
+        path = tmp_path / "wan_causal_comfy.safetensors"
+        save_file({f"model.diffusion_model.{k}": v for k, v in original.items()}, str(path))
+    elif fmt == "wan_original":
+        path = tmp_path / "wan_original.pth"
+        torch.save(original, path)
+    elif fmt == "diffusers_folder":
+        path = tmp_path / "transformer"
+        source.save_pretrained(path)
+    elif fmt == "diffusers":
+        path = tmp_path / "diffusers_keys.safetensors"
+        save_file(diffusers_sd, str(path))
+    return path
