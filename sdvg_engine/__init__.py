@@ -12,6 +12,8 @@ The names below are imported on first use (PEP 562): ``import sdvg_engine`` (and
 
 from importlib import import_module
 
+from ._lazy import submodule as _submodule
+
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it
@@ -41,12 +43,7 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         # ``sdvg_engine.router`` after a bare ``import sdvg_engine``: the eager package imported its submodules.
-        try:
-            return import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        return _submodule(__name__, name)
     value = getattr(import_module(module, __name__), name)
     globals()[name] = value  # looked up once
     return value

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .checks import check_bool, check_choice, check_int, check_number, check_optional_int
+from .choices import MODES, SCHEDULE_EVERY  # noqa: F401 (MODES is public here too)
 
 if TYPE_CHECKING:
     from .router import RewardRouter
-
-from .choices import MODES, SCHEDULE_EVERY  # noqa: F401 (MODES is public here too)
 
 
 class GenerationCancelled(RuntimeError):
@@ -143,7 +142,7 @@ class SDVGOptions:
             return True
         if self.mode == "schedule" and self.schedule_every > 0 and b > 0 and b % self.schedule_every == 0:
             return True
-        if self.mode == "random":
+        if self.draws_before_drafting:
             if random_accept is None:
                 raise ValueError("random mode decides each block with its draw: pass random_accept")
             return not random_accept

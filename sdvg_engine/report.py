@@ -295,12 +295,11 @@ def free_tau_interval(records: list[BlockRecord], options, router) -> dict | Non
     if not options.scores_drafts or router is None or (mode != "fixed" and not reference_mode):
         return None
 
-    def compared(d):
-        if d is None:
+    def compared(d):  # the value the router compared with tau (RouteDecision.comparison, its one home)
+        if d is None or (reference_mode and d.reference_score is None):
             return None
-        value = d.block_score if not reference_mode else (
-            None if d.reference_score is None else float(d.block_score) - float(d.reference_score))
-        return value if value is not None and math.isfinite(value) else None
+        value = d.comparison().value
+        return value if math.isfinite(value) else None
 
     values = [compared(r.decision) for r in records]
     rejected = [v for r, v in zip(records, values) if v is not None and not r.decision.accept]
