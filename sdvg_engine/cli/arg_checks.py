@@ -127,22 +127,23 @@ def _flag(args, name):
 
 
 # ---- the models a run needs: only those its mode uses are required (and loaded) ---------------------------------
-@arg_check("--drafter")
-def _check_drafter_given(args):
-    if args.drafter is None and (args.command == "bench" or options_of(args).uses_drafter):
-        return (f"missing: --mode {args.mode} drafts blocks; give the drafter checkpoint (e.g. --drafter "
-                "self_forcing_dmd.pt)" if args.command == "generate" else
-                "missing: give the drafter checkpoint (e.g. --drafter self_forcing_dmd.pt)")
-    return None
+def _model_given(role: str, uses: str, what_mode_does: str, example: str, instead: str = ""):
+    """The row that requires ``--<role>`` where the run uses that model (``bench`` runs every mode: always)."""
+
+    def check(args):
+        if getattr(args, role) is not None or (args.command != "bench" and not getattr(options_of(args), uses)):
+            return None
+        give = f"give the {role} checkpoint (e.g. --{role} {example})"
+        if args.command == "generate":
+            return f"missing: --mode {args.mode} {what_mode_does}; {give}{instead}"
+        return f"missing: {give}"
+
+    return arg_check(f"--{role}")(check)
 
 
-@arg_check("--target")
-def _check_target_given(args):
-    if args.target is None and (args.command == "bench" or options_of(args).uses_target):
-        return (f"missing: --mode {args.mode} runs the target; give the target checkpoint (e.g. --target "
-                "krea-realtime-video-14b.safetensors), or use --mode draft_only" if args.command == "generate" else
-                "missing: give the target checkpoint (e.g. --target krea-realtime-video-14b.safetensors)")
-    return None
+_model_given("drafter", "uses_drafter", "drafts blocks", "self_forcing_dmd.pt")
+_model_given("target", "uses_target", "runs the target", "krea-realtime-video-14b.safetensors",
+             ", or use --mode draft_only")
 
 
 @arg_check("--reward", "bench")
