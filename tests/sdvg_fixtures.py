@@ -93,3 +93,13 @@ def write_checkpoint_files(root):
     save_image_reward(parts["scorer"], root / "ImageReward.safetensors")
     save_prompt_embeddings(root / "embeds.safetensors", ["a red ball", "a blue cube"], [prompt_embeds(1), prompt_embeds(2)])
     return root
+
+
+def generate_argv(files, out, *extra):
+    """``sdvg generate`` on :func:`write_checkpoint_files`' files: a 9-frame target_only CPU run into ``out``."""
+    return ["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
+            "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--mode", "target_only",
+            "--frames", "9", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
+            "--format", "webp", "--out", str(out), *extra]
+
+

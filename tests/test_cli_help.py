@@ -24,7 +24,8 @@ import pytest
 
 from sdvg_engine.cli import args as cli_args
 from sdvg_engine.cli import arg_checks, build_parser, main
-from sdvg_fixtures import HEIGHT, WIDTH, write_checkpoint_files
+from sdvg_fixtures import write_checkpoint_files
+from sdvg_fixtures import generate_argv as _generate_argv
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "diffusers", "transformers")
@@ -178,13 +179,6 @@ def test_sdvg_generate_help_end_to_end_imports_no_torch():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return write_checkpoint_files(tmp_path_factory.mktemp("ckpt_help"))
-
-
-def _generate_argv(files, out, *extra):
-    return ["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
-            "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--mode", "target_only",
-            "--frames", "9", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
-            "--format", "webp", "--out", str(out), *extra]
 
 
 #: Ctrl-C exactly while `import torch` runs (the first seconds of a real `sdvg generate`): a finder placed first on

@@ -19,18 +19,12 @@ from sdvg_engine.cli import build_parser, main, validate_args
 from sdvg_engine.pipeline import SDVGOptions
 from sdvg_engine.router import RewardRouter
 from sdvg_fixtures import HEIGHT, WIDTH, prompt_embeds, shared_parts, tiny_pipeline, write_checkpoint_files
+from sdvg_fixtures import generate_argv as generate_args
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return write_checkpoint_files(tmp_path_factory.mktemp("ckpt"))
-
-
-def generate_args(files, out, *extra):
-    return ["generate", "--drafter", str(files / "drafter.safetensors"), "--target", str(files / "target.safetensors"),
-            "--vae", str(files / "vae"), "--context-file", str(files / "embeds.safetensors"), "--mode", "target_only",
-            "--frames", "9", "--width", str(WIDTH), "--height", str(HEIGHT), "--dtype", "fp32", "--device", "cpu",
-            "--format", "webp", "--out", str(out), *extra]
 
 
 def fail_on_save(monkeypatch, fmt: str, nth: int, error: BaseException):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from sdvg_engine.cli import entry
 from sdvg_engine.models import comfy_layout
 from sdvg_engine.models.comfy_layout import export_comfy
 from sdvg_engine.models.loading import load_causal_wan, save_checkpoint
-from wan_fixtures import text_context, tiny_wan, to_original_keys, write_checkpoint as _write
+from wan_fixtures import text_context, tiny_wan, to_original_keys, write_checkpoint as _write, write_scaled_fp8
 
 FORMATS = ["self_forcing", "krea", "comfyui", "wan_original", "diffusers_folder", "diffusers"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -134,18 +133,7 @@ def test_half_precision_export_equals_the_pack_load_at_that_dtype(dtype, source,
 
 
 def test_a_scaled_fp8_comfy_file_exports_dequantised_like_the_pack_loads_it(source, tmp_path):
-    original = to_original_keys(source.state_dict())
-    state = {}
-    for key, value in original.items():
-        if key.startswith("blocks.") and key.endswith(".weight") and value.ndim == 2:
-            scale = value.abs().amax() / 448.0
-            state[f"model.diffusion_model.{key}"] = (value / scale).to(torch.float8_e4m3fn)
-            state[f"model.diffusion_model.{key[:-len('.weight')]}.scale_weight"] = scale.reshape(1)
-        else:
-            state[f"model.diffusion_model.{key}"] = value
-    state["model.diffusion_model.scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
-    src = tmp_path / "wan_fp8_scaled.safetensors"
-    save_file(state, str(src))
+    src = write_scaled_fp8(source, tmp_path / "wan_fp8_scaled.safetensors", marker="model.diffusion_model.scaled_fp8")
     out = tmp_path / "dequantised.safetensors"
     export_comfy(src, out, dtype="fp32")
     tensors, _ = _read(out)

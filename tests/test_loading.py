@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel, wan_config
 from sdvg_engine.models.loading import CheckpointError, inspect_checkpoint, load_causal_wan, save_checkpoint, _infer_config
-from wan_fixtures import text_context, tiny_wan, to_original_keys, write_checkpoint as _write
+from wan_fixtures import text_context, tiny_wan, to_original_keys, write_checkpoint as _write, write_scaled_fp8
 
 
 @pytest.fixture(scope="module")
@@ -170,18 +170,7 @@ def test_config_in_metadata_is_used_for_widths_shapes_cannot_tell(tmp_path):
 
 def test_comfyui_fp8_scaled_file_is_dequantized_per_tensor(source, reference_output, tmp_path):
     """``*_fp8_scaled`` files: float8 weights + ``.scale_weight``; loaded close to the source."""
-    original = to_original_keys(source.state_dict())
-    state = {}
-    for key, value in original.items():
-        if key.startswith("blocks.") and key.endswith(".weight") and value.ndim == 2:
-            scale = value.abs().amax() / 448.0
-            state[f"model.diffusion_model.{key}"] = (value / scale).to(torch.float8_e4m3fn)
-            state[f"model.diffusion_model.{key[: -len('.weight')]}.scale_weight"] = scale.reshape(1)
-        else:
-            state[f"model.diffusion_model.{key}"] = value
-    state["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
-    path = tmp_path / "causal_fp8_scaled.safetensors"
-    save_file(state, str(path))
+    path = write_scaled_fp8(source, tmp_path / "causal_fp8_scaled.safetensors")
     model, info = load_causal_wan(path, dtype=torch.float32)
     assert info.format == "comfyui" and "float8_e4m3fn" in info.stored_dtype
     assert "fp8_scales" not in info.to_dict()

@@ -140,3 +140,19 @@ def write_checkpoint(fmt: str, source, tmp_path):
         path = tmp_path / "diffusers_keys.safetensors"
         save_file(diffusers_sd, str(path))
     return path
+
+
+def write_scaled_fp8(source, path, *, marker: str = "scaled_fp8"):
+    """``source`` as ComfyUI's ``*_fp8_scaled`` files store it: 2-D block weights in float8 with a per-tensor
+    ``.scale_weight``, everything else as is, and the ``marker`` key (``scaled_fp8``, top level or prefixed)."""
+    state = {}
+    for key, value in to_original_keys(source.state_dict()).items():
+        if key.startswith("blocks.") and key.endswith(".weight") and value.ndim == 2:
+            scale = value.abs().amax() / 448.0
+            state[f"model.diffusion_model.{key}"] = (value / scale).to(torch.float8_e4m3fn)
+            state[f"model.diffusion_model.{key[: -len('.weight')]}.scale_weight"] = scale.reshape(1)
+        else:
+            state[f"model.diffusion_model.{key}"] = value
+    state[marker] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    save_file(state, str(path))
+    return path
