@@ -46,8 +46,11 @@ def model_identity(gen) -> tuple:
                            and k in ("max_frames", "context_frames", "attention_bias")))
     # Both: an fp8 KV cache keeps its dtype when the compute dtype changes (and the weights' dtype may not be it).
     kv_dtype = (str(getattr(gen.model, "kv_cache_dtype", None)), str(getattr(gen.model, "compute_dtype", "")))
+    # A host's model (a ComfyUI MODEL) may apply patches per call (LoRA on a low-VRAM load) that leave every
+    # parameter as it was: it says itself what else decides its outputs.
+    host = gen.model.sdvg_identity() if hasattr(gen.model, "sdvg_identity") else None
     return (id(gen.model), weights, gen.schedule.timesteps, gen.schedule.shift, kv_dtype, gen.context.name, context,
-            gen.frames_per_block)
+            gen.frames_per_block, host)
 
 
 def scorer_identity(scorer) -> tuple:

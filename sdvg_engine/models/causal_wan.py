@@ -82,8 +82,11 @@ def sinusoidal_embedding(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-def _linear_fp32(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    weight = linear.weight
+def _linear_fp32(linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` in float32 whatever the weights' dtype (the time MLP and the modulation projection)."""
+    weight = getattr(linear, "weight", None)
+    if weight is None:  # a host's op (original_layout.HostOp): it casts its weights to the input's dtype itself
+        return linear(x.float()).float()
     if hasattr(linear, "dequantized_weight"):  # fp8-stored layers (see loading.py)
         weight = linear.dequantized_weight()
     bias = None if linear.bias is None else linear.bias.float()
@@ -101,15 +104,19 @@ class RuntimeSettings:
       by ``forward_block`` and ``encode_text`` (block weight streaming: ``sdvg_engine/offload.py``).
     * ``fused_attention_on_meta``: on meta tensors, attention returns what a fused (flash / memory-efficient) kernel
       allocates, the output alone (the real-size dry run's models, :mod:`sdvg_engine.dry_run`); see :func:`_attention`.
+    * ``attention``: ``attention(q, k, v, mask) -> out`` replacing SDPA (q ``[B, H, L, d]``, k/v ``[B, H, L_kv, d]``,
+      ``mask`` ``None`` or additive/boolean, broadcastable to ``[B, H, L, L_kv]``; out ``[B, H, L, d]``): the attention
+      backend a host selected (ComfyUI's ``optimized_attention``). It must honour the mask when one is given.
     """
 
     kv_cache_dtype: "torch.dtype | None" = None
     block_hooks: object = None
     fused_attention_on_meta: bool = False
+    attention: object = None
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, *,
-               fused_on_meta: bool = False) -> torch.Tensor:
+               fused_on_meta: bool = False, backend=None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (q ``[B, H, L, d]``, k/v ``[B, H, L_kv, d]`` -> ``[B, H, L, d]``).
 
     With ``fused_on_meta`` (a model's :attr:`RuntimeSettings.fused_attention_on_meta`: the real-size dry run's) a meta
@@ -120,6 +127,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None
         if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
             raise ValueError(f"attention shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         return torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    if backend is not None and not q.is_meta:
+        return backend(q, k, v, attn_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
@@ -130,11 +139,13 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.type_as(x)
 
 
-class CausalWanTransformer3DModel(WanTransformer3DModel):
-    """Wan2.1 DiT with a block-causal, KV-cached forward (:meth:`forward_block`).
-
-    ``forward`` is diffusers' unchanged (full bidirectional attention, one timestep per sample); it
-    is the reference the causal path is tested against.
+class CausalWanForward:
+    """The block-causal forward of a Wan2.1 DiT (:meth:`forward_block`, :meth:`encode_text`, KV caches), written once
+    over diffusers' module names and shared by every way a model reaches the engine: the pack's own
+    :class:`CausalWanTransformer3DModel` (diffusers' modules) and
+    :class:`~sdvg_engine.models.original_layout.OriginalLayoutCausalWan` (a host's modules in the original Wan layout,
+    such as a ComfyUI MODEL). A class using it provides ``config`` (diffusers' names), ``device``, ``patch_embedding``,
+    ``condition_embedder``, ``blocks``, ``scale_shift_table``, ``norm_out`` and ``proj_out``.
     """
 
     # ---- geometry -------------------------------------------------------------------------------
@@ -273,49 +284,6 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         modulation = _linear_fp32(emb.time_proj, F.silu(temb))
         return temb, modulation.unflatten(-1, (6, -1))
 
-    # ---- optional torch.compile ---------------------------------------------------------------------
-    def compile_forward_block(self, **compile_kwargs) -> None:
-        """Replace :meth:`forward_block` on this instance by a ``torch.compile``'d version.
-
-        ``dynamic=True`` by default: the attended KV prefix grows by one block per call, so static
-        shapes would recompile for every block position. The first calls pay the compilation
-        (about a minute on a CPU); the weights and the state dict are untouched. The compiled function
-        is bound to this instance: compile a deep copy again rather than copying a compiled model.
-        """
-        if self.block_hooks is not None:
-            raise RuntimeError("compile_forward_block(): this model streams its blocks from CPU memory (offload); "
-                               "torch.compile does not support the weight swaps. Use offload='none' or no compile.")
-        compile_kwargs.setdefault("dynamic", True)
-        self.forward_block = torch.compile(type(self).forward_block.__get__(self), **compile_kwargs)
-
-    # ---- inference-only fusion ------------------------------------------------------------------------
-    @torch.no_grad()
-    def fuse_qkv(self) -> int:
-        """Fuse each self-attention's q/k/v projections into one matmul (and cross-attention's k/v).
-
-        The separate Linear layers are *replaced*, not kept beside the fused one (diffusers'
-        ``fuse_projections`` keeps both, which would add 6 GB to a 14B model), so a fused model is for
-        inference only: its state dict no longer has the original keys. Returns how many layers fused.
-        """
-        fused = 0
-        for block in self.blocks:
-            for attn, names, fused_name in ((block.attn1, ("to_q", "to_k", "to_v"), "to_qkv"), (block.attn2, ("to_k", "to_v"), "to_kv")):
-                if getattr(attn, "sdvg_fused", False):
-                    continue
-                parts = [getattr(attn, n) for n in names]
-                if not all(isinstance(p, torch.nn.Linear) for p in parts):
-                    raise RuntimeError("fuse_qkv() must run before fp8 quantization")
-                linear = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=True,
-                                         device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-                linear.weight.copy_(torch.cat([p.weight for p in parts]))
-                linear.bias.copy_(torch.cat([p.bias for p in parts]))
-                for n in names:
-                    delattr(attn, n)
-                setattr(attn, fused_name, linear)
-                attn.sdvg_fused = True
-                fused += 1
-        return fused
-
     # ---- attention --------------------------------------------------------------------------------
     def _self_attention(self, attn, x, rope, kv_cache: KVCache | None, layer: int, start_frame: int, attn_mask):
         if getattr(attn, "sdvg_fused", False):
@@ -330,12 +298,14 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         v = v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.write_and_read(layer, start_frame, k, v)
-        out = _attention(q, k, v, attn_mask, fused_on_meta=self.runtime.fused_attention_on_meta)
+        out = _attention(q, k, v, attn_mask, fused_on_meta=self.runtime.fused_attention_on_meta,
+                         backend=self.runtime.attention)
         return attn.to_out[0](out.transpose(1, 2).flatten(2))
 
     def _cross_attention(self, attn, x, text_k, text_v):
         q = attn.norm_q(attn.to_q(x)).unflatten(2, (self.num_heads, -1)).transpose(1, 2)
-        out = _attention(q, text_k, text_v, fused_on_meta=self.runtime.fused_attention_on_meta)
+        out = _attention(q, text_k, text_v, fused_on_meta=self.runtime.fused_attention_on_meta,
+                         backend=self.runtime.attention)
         return attn.to_out[0](out.transpose(1, 2).flatten(2))
 
     def _attention_bias(self, kv_cache: KVCache, start_frame: int, num_frames: int, bias_frames, bias: float, dtype):
@@ -431,6 +401,58 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         # Unpatchify: tokens (f, hp, wp) x (p_t, p_h, p_w, C) -> [B, C, F, h, w].
         x = x.reshape(B, n_frames, hp, wp, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.flatten(6, 7).flatten(4, 5).flatten(2, 3).float()
+
+
+class CausalWanTransformer3DModel(CausalWanForward, WanTransformer3DModel):
+    """Wan2.1 DiT with a block-causal, KV-cached forward (:meth:`forward_block`, from :class:`CausalWanForward`).
+
+    ``forward`` is diffusers' unchanged (full bidirectional attention, one timestep per sample); it
+    is the reference the causal path is tested against.
+    """
+
+    # ---- optional torch.compile ---------------------------------------------------------------------
+    def compile_forward_block(self, **compile_kwargs) -> None:
+        """Replace :meth:`forward_block` on this instance by a ``torch.compile``'d version.
+
+        ``dynamic=True`` by default: the attended KV prefix grows by one block per call, so static
+        shapes would recompile for every block position. The first calls pay the compilation
+        (about a minute on a CPU); the weights and the state dict are untouched. The compiled function
+        is bound to this instance: compile a deep copy again rather than copying a compiled model.
+        """
+        if self.block_hooks is not None:
+            raise RuntimeError("compile_forward_block(): this model streams its blocks from CPU memory (offload); "
+                               "torch.compile does not support the weight swaps. Use offload='none' or no compile.")
+        compile_kwargs.setdefault("dynamic", True)
+        self.forward_block = torch.compile(type(self).forward_block.__get__(self), **compile_kwargs)
+
+    # ---- inference-only fusion ------------------------------------------------------------------------
+    @torch.no_grad()
+    def fuse_qkv(self) -> int:
+        """Fuse each self-attention's q/k/v projections into one matmul (and cross-attention's k/v).
+
+        The separate Linear layers are *replaced*, not kept beside the fused one (diffusers'
+        ``fuse_projections`` keeps both, which would add 6 GB to a 14B model), so a fused model is for
+        inference only: its state dict no longer has the original keys. Returns how many layers fused.
+        """
+        fused = 0
+        for block in self.blocks:
+            for attn, names, fused_name in ((block.attn1, ("to_q", "to_k", "to_v"), "to_qkv"), (block.attn2, ("to_k", "to_v"), "to_kv")):
+                if getattr(attn, "sdvg_fused", False):
+                    continue
+                parts = [getattr(attn, n) for n in names]
+                if not all(isinstance(p, torch.nn.Linear) for p in parts):
+                    raise RuntimeError("fuse_qkv() must run before fp8 quantization")
+                linear = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=True,
+                                         device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+                linear.weight.copy_(torch.cat([p.weight for p in parts]))
+                linear.bias.copy_(torch.cat([p.bias for p in parts]))
+                for n in names:
+                    delattr(attn, n)
+                setattr(attn, fused_name, linear)
+                attn.sdvg_fused = True
+                fused += 1
+        return fused
+
 
 
 def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int, device=None) -> torch.Tensor:
