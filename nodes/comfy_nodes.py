@@ -32,6 +32,21 @@ def register_model_folders() -> None:
     compat.register_folders_in(folder_paths, MODEL_FOLDERS)
 
 
+class WholeModulePatcher(comfy.model_patcher.ModelPatcher):
+    """ComfyUI's patcher for the pack's own models (file loaders, the converted VAE, ImageReward): plain torch modules
+    that ComfyUI cannot stream. Its low-VRAM mode casts weights per call only inside ComfyUI's ops
+    (``comfy_cast_weights``); a plain ``nn.Linear`` left on the offload device by a partial load would meet its input
+    on another device. So these load whole and, when ComfyUI needs room, unload whole (never half), while the MODEL
+    patchers of the same run load partially where VRAM is short, all in one ``load_models_gpu`` call. (The loaders'
+    offload='blocks' streams the pack's own blocks instead.)"""
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        return super().load(device_to, lowvram_model_memory, force_patch_weights, True, **kwargs)
+
+    def partially_unload(self, *args, **kwargs):
+        return 0  # nothing freed: ComfyUI then unloads the whole model (model_unload -> detach)
+
+
 class ComfyServices(logic.Services):
     """ComfyUI's memory manager, progress bar, interrupt flag and model folders for ``logic``."""
 
@@ -50,11 +65,16 @@ class ComfyServices(logic.Services):
         return model_management.intermediate_device()
 
     def wrap(self, holder, load_device, offload_device):
-        return comfy.model_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device)
+        return WholeModulePatcher(holder, load_device=load_device, offload_device=offload_device)
 
     def load(self, patchers):
-        # Full load: these are plain torch modules, which ComfyUI cannot stream in low-VRAM mode.
-        model_management.load_models_gpu(list(patchers), force_full_load=True)
+        self.load_run(patchers)
+
+    def load_run(self, patchers, memory_required=0):
+        # One call for the whole run (a later call could evict a model of this run). Partial loads are allowed: the
+        # MODEL patchers (ComfyUI's own modules) stream what does not fit; the pack's own WholeModulePatchers still
+        # load whole. memory_required reserves the KV caches, VAE state and activations ComfyUI cannot see.
+        model_management.load_models_gpu(list(patchers), memory_required=int(memory_required), force_full_load=False)
 
     def check_interrupt(self):
         model_management.throw_exception_if_processing_interrupted()
@@ -94,7 +114,7 @@ class ComfyServices(logic.Services):
 # ------------------------------------------------------------------------------------------------- schema building
 _CUSTOM = {name: io.Custom(name) for name in (schema.SDVG_MODEL, schema.SDVG_ROUTER, schema.SDVG_OPTIONS)}
 _SOCKETS = {"CONDITIONING": io.Conditioning, "VAE": io.Vae, "IMAGE": io.Image, "MASK": io.Mask,
-            "LATENT": io.Latent, "FLOAT": io.Float, "STRING": io.String, **_CUSTOM}
+            "LATENT": io.Latent, "FLOAT": io.Float, "STRING": io.String, schema.MODEL: io.Model, **_CUSTOM}
 
 
 def _input(spec: schema.InputSpec):
@@ -214,8 +234,28 @@ class SDVGAdvancedOptions(io.ComfyNode):
         return _output(logic.run_node("SDVGAdvancedOptions", ComfyServices(), **inputs))
 
 
+class SDVGDrafterFromModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.DRAFTER_FROM_MODEL)
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGDrafterFromModel", ComfyServices(), **inputs))
+
+
+class SDVGTargetFromModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.TARGET_FROM_MODEL)
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGTargetFromModel", ComfyServices(), **inputs))
+
+
 NODE_CLASSES = [SDVGLoadDrafter, SDVGLoadTarget, SDVGRewardRouter, SDVGSpeculativeSampler, SDVGLoadPromptEmbeddings,
-                SDVGAdvancedOptions]
+                SDVGAdvancedOptions, SDVGDrafterFromModel, SDVGTargetFromModel]
 assert [c.__name__ for c in NODE_CLASSES] == [s.node_id for s in schema.NODES]
 
 

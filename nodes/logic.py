@@ -94,6 +94,12 @@ class Services:
         for p in patchers:
             p.load()
 
+    def load_run(self, patchers: list, memory_required: int = 0) -> None:
+        """Load every model of one run at once, reserving ``memory_required`` bytes beside the weights for what the
+        memory manager cannot see (KV caches, activations: :func:`run_memory_required`). Default: :meth:`load`
+        (hosts without a memory budget; subclasses that override only :meth:`load` keep working)."""
+        self.load(patchers)
+
     # run control
     def check_interrupt(self) -> None:
         """Raise to stop the run (called before every model call)."""
@@ -204,6 +210,13 @@ class SDVGModel:
     max_frames: int = 21
     #: the loader's context_scheme input ("auto" lets the sampler's preset decide)
     requested_context_scheme: str = "auto"
+    #: where the weights come from: "file" (SDVG Load Drafter / Target) or "comfy" (a ComfyUI MODEL, whose
+    #: ModelPatcher is ``patcher``; see :func:`load_model_from_comfy`)
+    backend: str = "file"
+
+    @property
+    def comfy_backed(self) -> bool:
+        return self.backend == "comfy"
 
     def new_generator(self, preset: str | None = None) -> CausalGenerator:
         """A fresh generator for one run (own KV cache, context state and counters), configured by ``preset``
@@ -217,6 +230,12 @@ class SDVGModel:
                                max_frames=self.max_frames)
 
     def describe(self) -> dict:
+        if self.comfy_backed:
+            from .comfy_model import describe_model
+
+            return {"source": "ComfyUI MODEL", "architecture": self.info.architecture, "dtype": self.dtype,
+                    "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule,
+                    **describe_model(self.model, self.patcher)}
         return {"file": os.path.basename(self.path), "architecture": self.info.architecture, "dtype": self.dtype,
                 "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule,
                 **({"offload": "blocks"} if getattr(self.model, "block_hooks", None) is not None else {}),
@@ -298,6 +317,34 @@ def load_model_node(ckpt_name: str, dtype: str, device: str, context_scheme: str
     path = services.resolve(schema.DRAFTER_FOLDERS, ckpt_name)
     return load_sdvg_model(path, role=role, dtype=dtype, device=device, context_scheme=context_scheme, services=services,
                            offload=offload, kv_dtype=kv_dtype)
+
+
+def load_model_from_comfy(model, context_scheme: str = "auto", kv_dtype: str = "auto", *, role: str,
+                          services: Services | None = None) -> SDVGModel:
+    """The work of SDVG Drafter from MODEL / SDVG Target from MODEL: a ComfyUI MODEL (a ModelPatcher around Wan2.1's
+    ``WanModel``) as an ``SDVG_MODEL``, run by the engine's causal forward through ComfyUI's own ops, attention and
+    memory manager (:mod:`nodes.comfy_model`). ``context_scheme`` ``auto`` follows the model (width 5120, the 14B:
+    Krea's recompute window, else the global cache), as the file loaders do from a checkpoint. Nothing is copied:
+    the sampler loads the MODEL's own patcher, and every run of it uses one worker lane."""
+    from . import comfy_model
+    from sdvg_engine.loaders import checkpoint_schedule
+    from sdvg_engine.models.original_layout import original_layout_info
+
+    check_choice("role", role, ("drafter", "target"))
+    check_choice("context_scheme", context_scheme, schema.CONTEXT_SCHEMES)
+    check_choice("kv_dtype", kv_dtype, schema.KV_DTYPES)
+    view = comfy_model.model_view(model, kv_dtype=kv_dtype)  # checks the MODEL first (a clear error for non-Wan)
+    config = view.config
+    own_scheme = "recompute_window" if config["num_attention_heads"] * config["attention_head_dim"] == 5120 \
+        else "global_cache"
+    info = original_layout_info(view, own_scheme, source="ComfyUI MODEL")
+    return SDVGModel(
+        model=view, info=info, path="ComfyUI MODEL", role=role, dtype=comfy_model.dtype_name(model.model_dtype()),
+        context_scheme=own_scheme if context_scheme == "auto" else context_scheme,
+        schedule=checkpoint_schedule(info.architecture), load_device=torch.device(model.load_device),
+        offload_device=torch.device(model.offload_device), holder=None, patcher=model,
+        requested_context_scheme=context_scheme, backend="comfy",
+    )
 
 
 # =========================================================================================================== router
@@ -587,11 +634,20 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
         raise ValueError(problem)
     # target_only never runs the drafter and draft_only never runs the target: ComfyUI does not even load
     # the unused one (lazy input), and the model in use stands in for it.
+    needs = SDVGOptions(mode=mode)
     missing = [role for role in needed_inputs(mode, drafter, target, router=True) if role in ("drafter", "target")]
     if missing:
         raise ValueError(f"mode {mode!r} needs the {' and the '.join(missing)}")
     used = [m for m in (drafter, target) if m is not None]
     drafter_model, target_model = drafter or target, target or drafter
+    running = list(dict.fromkeys(m for m, runs in ((drafter_model, needs.uses_drafter), (target_model, needs.uses_target))
+                                 if runs))
+    check_comfy_models(running)
+    # A MODEL's ops cast (and on low-VRAM loads patch and move) its weights per call through ComfyUI's shared state;
+    # a second worker thread would race that, so a run with a MODEL-backed model is one lane.
+    one_lane = [m.role for m in running if m.comfy_backed]
+    if one_lane:
+        workers = "1"
     context = context_from_conditioning(positive, text_dim=used[0].model.config.text_dim)
     for m in used:
         if m.model.config.text_dim != context.shape[-1]:
@@ -627,7 +683,10 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     patchers = [drafter_model.patcher if options.uses_drafter else None,
                 target_model.patcher if options.uses_target else None,
                 vae_patcher, router.patcher if run_router is not None else None]
-    services.load([p for p in dict.fromkeys(patchers) if p is not None])
+    # One load call for every model of the run, so that loading one never evicts another of the same run, with room
+    # reserved for what the memory manager cannot see (KV caches, VAE decode state, activations).
+    memory = run_memory_required(pipe, options, int(width), int(height), stream)
+    services.load_run([p for p in dict.fromkeys(patchers) if p is not None], memory_required=int(sum(memory.values())))
 
     total = video_frames_to_latent_frames(int(length), pipe.target.frames_per_block) // pipe.target.frames_per_block
     services.progress(0, total, None)
@@ -652,12 +711,52 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                         "target": target.describe() if options.uses_target and target else None,
                         "reward": os.path.basename(router.path) if run_router is not None else None}
     report["output"] = {"frames": t, "height": h, "width": w, "fps": FPS, "latent_shape": list(samples.shape)}
+    report["memory_required"] = {"bytes": int(sum(memory.values())),
+                                 "components": {k: int(v) for k, v in memory.items()}}
+    if one_lane:
+        workers_report = dict(report.get("settings", {}).get("workers", {}))
+        workers_report["one_lane"] = (f"the {' and the '.join(one_lane)} {'is a' if len(one_lane) == 1 else 'are'} "
+                                      "ComfyUI MODEL: one worker lane (ComfyUI casts and moves its weights per call)")
+        report["settings"] = {**report.get("settings", {}), "workers": workers_report}
     plot = score_plot(report)
     return SamplerOutput(
         frames=frames.to(out_device), mask=mask.to(out_device), latent={"samples": samples.to(out_device)},
         fps=FPS, report=json.dumps(_json_safe(report), indent=2, allow_nan=False), plot=plot.to(out_device),
         result=result,
     )
+
+
+def check_comfy_models(models: list) -> None:
+    """Refuse two MODEL-backed models of one run that are clones of one ComfyUI model with different patches (e.g. one
+    Load Diffusion Model feeding the drafter directly and the target through a LoRA): ComfyUI holds one set of patches
+    per loaded model, so loading one would unpatch the other."""
+    comfy = [m for m in models if m.comfy_backed]
+    for i, a in enumerate(comfy):
+        for b in comfy[i + 1:]:
+            if a.patcher is not b.patcher and a.patcher.is_clone(b.patcher):
+                raise ValueError(f"the {a.role} and the {b.role} are the same ComfyUI model with different patches "
+                                 "(LoRAs or other model patches on one Load Diffusion Model): ComfyUI keeps one set of "
+                                 "patches per loaded model, so they cannot run side by side. Use two Load Diffusion "
+                                 "Model nodes, or connect the same MODEL to both.")
+
+
+def run_memory_required(pipe, options: SDVGOptions, width: int, height: int, stream) -> dict:
+    """Bytes the run needs beside the weights (its DiTs' KV caches and text K/V for their context schemes and KV
+    dtypes, the VAE decode cache and its rollback snapshot, the largest transient), for the memory manager to reserve
+    (:func:`sdvg_engine.offload.run_memory_components`, the memory plan's terms)."""
+    from sdvg_engine.offload import run_memory_components
+
+    models = []
+    for role, gen, runs in (("drafter", pipe.drafter, options.uses_drafter), ("target", pipe.target, options.uses_target)):
+        if not runs:
+            continue
+        model = gen.model
+        kv = "fp8" if model.kv_cache_dtype == torch.float8_e4m3fn else "auto"
+        compute_bytes = torch.empty((), dtype=model.compute_dtype).element_size()
+        models.append((role, dict(model.config), gen.context.capacity_frames(gen.frames_per_block), kv, compute_bytes))
+    vae_param = next(iter(stream.vae.parameters()), None)
+    vae_dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(getattr(vae_param, "dtype", None), "fp32")
+    return run_memory_components(models, width=width, height=height, vae_dtype=vae_dtype)
 
 
 class _Activity:
@@ -713,6 +812,10 @@ _NODE_FUNCTIONS = {
     "SDVGSpeculativeSampler": _sampler_node,
     "SDVGLoadPromptEmbeddings": _embeddings_node,
     "SDVGAdvancedOptions": lambda services, **kw: NodeResult((advanced_options_node(**kw),)),
+    "SDVGDrafterFromModel": lambda services, **kw: NodeResult((load_model_from_comfy(role="drafter", services=services,
+                                                                                     **kw),)),
+    "SDVGTargetFromModel": lambda services, **kw: NodeResult((load_model_from_comfy(role="target", services=services,
+                                                                                    **kw),)),
 }
 
 

@@ -390,8 +390,59 @@ LOAD_PROMPT_EMBEDDINGS = NodeSpec(
     ),
 )
 
+#: ComfyUI's own socket type of a loaded diffusion model (Load Diffusion Model, LoraLoaderModelOnly, Unet Loader (GGUF)).
+MODEL = "MODEL"
+
+
+def _from_model(node_id: str, display: str, role: str, description: str) -> NodeSpec:
+    anchor = display.lower().replace(" ", "-")
+    return NodeSpec(
+        node_id=node_id,
+        display_name=display,
+        description=description,
+        inputs=(
+            InputSpec("model", MODEL,
+                      tooltip=f"The Wan2.1 text-to-video MODEL to run as the {role}: its LoRAs, fp8 or GGUF weights "
+                              "and ComfyUI's attention backend apply. A MODEL-backed run uses one worker lane."
+                              + _docs(anchor),
+                      details="The block-causal forward runs through ComfyUI's own modules, so what the MODEL carries "
+                              "applies: bf16/fp16/fp32 weights, fp8_e4m3fn storage, *_fp8_scaled files, GGUF "
+                              "(ComfyUI-GGUF), LoRA patches (also on low-VRAM loads), --fast fp8 matmuls, and the "
+                              "attention ComfyUI was launched with (sage, flash, pytorch ...; the recompute window's "
+                              "masked calls use PyTorch attention, which honours the mask). ComfyUI's memory manager "
+                              "loads it, partially when VRAM is short (--lowvram / --novram stream its layers). A run "
+                              "with a MODEL-backed drafter or target uses one worker lane, so no second thread races "
+                              "ComfyUI's weight casting. A LoRA or strength change makes a new video (no replay)."),
+            InputSpec("context_scheme", "COMBO", options=CONTEXT_SCHEMES, default="auto",
+                      tooltip="How the model sees earlier frames; auto = follow the model (width 5120, the 14B: "
+                              "recompute_window, else global_cache)." + _docs(anchor),
+                      details="As the file loaders' context_scheme: an explicit choice wins over the sampler's "
+                              "preset; auto lets the preset decide (reference: both models on the recompute window)."),
+            InputSpec("kv_dtype", "COMBO", options=KV_DTYPES, default="auto", advanced=True,
+                      tooltip="Storage of the attention KV cache: auto = the model's compute dtype; fp8 about halves "
+                              "it." + _docs(anchor),
+                      details="fp8 is float8 with a scale per row; attention still runs in the compute dtype."),
+        ),
+        # not "model": V3 needs input and output ids distinct, and the input is "model"
+        outputs=(OutputSpec("sdvg_model", SDVG_MODEL, f"The MODEL as the sampler's {role} (shared by runs; never "
+                                                      "modified by the sampler)."),),
+    )
+
+
+DRAFTER_FROM_MODEL = _from_model(
+    "SDVGDrafterFromModel", "SDVG Drafter from MODEL", "drafter",
+    "Uses a Wan2.1 MODEL loaded by ComfyUI (Load Diffusion Model, with LoRAs, fp8 or GGUF) as the drafter, e.g. "
+    "Self-Forcing 1.3B exported with `sdvg export-comfy`.",
+)
+
+TARGET_FROM_MODEL = _from_model(
+    "SDVGTargetFromModel", "SDVG Target from MODEL", "target",
+    "Uses a Wan2.1 MODEL loaded by ComfyUI (Load Diffusion Model, with LoRAs, fp8 or GGUF) as the target, e.g. "
+    "Krea Realtime 14B.",
+)
+
 NODES: tuple[NodeSpec, ...] = (LOAD_DRAFTER, LOAD_TARGET, REWARD_ROUTER, SAMPLER, LOAD_PROMPT_EMBEDDINGS,
-                               ADVANCED_OPTIONS)
+                               ADVANCED_OPTIONS, DRAFTER_FROM_MODEL, TARGET_FROM_MODEL)
 BY_ID = {spec.node_id: spec for spec in NODES}
 
 

@@ -30,7 +30,7 @@ from .choices import KV_DTYPES, OFFLOAD_CHOICES  # noqa: F401 (public here too)
 __all__ = [
     "OFFLOAD_CHOICES", "KV_DTYPES", "BlockStreamer", "ResidentPart", "enable_block_offload", "check_offload_device",
     "kv_cache_dtype", "MemorySettings", "plan_memory", "wan_param_counts", "WAN_VAE_PARAMS", "IMAGE_REWARD_PARAMS",
-    "dit_flops",
+    "dit_flops", "run_memory_components",
 ]
 
 _KV_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -267,11 +267,13 @@ def _weights_bytes(cfg, fp8: bool) -> tuple[float, float]:
     return outside + blocks, outside
 
 
-def _kv_bytes(cfg, frames: int, tokens_per_frame: int, kv_dtype: str) -> float:
+def _kv_bytes(cfg, frames: int, tokens_per_frame: int, kv_dtype: str, compute_bytes: int = 2) -> float:
+    """A model's self-attention KV cache of ``frames`` latent frames plus its text K/V (512 rows per layer), stored in
+    ``kv_dtype`` (``auto``: the compute dtype, ``compute_bytes`` per value; fp8: 1 byte + a 4-byte scale per row)."""
     heads, d, L = cfg["num_attention_heads"], cfg["attention_head_dim"], cfg["num_layers"]
     rows = L * 2 * frames * tokens_per_frame * heads
-    per_row = d * 1 + 4 if kv_dtype == "fp8" else d * 2
-    text = L * 2 * 512 * heads * d * 2
+    per_row = d * 1 + 4 if kv_dtype == "fp8" else d * compute_bytes
+    text = L * 2 * 512 * heads * d * compute_bytes
     return rows * per_row + text
 
 
@@ -386,6 +388,41 @@ def memory_components(*, offload: str, kv_dtype: str, vae_dtype: str, fp8_target
     comp["largest transient: DiT block activations or VAE decode temporaries, whichever is larger"] = max(dit_act, vae_act)
     comp["CUDA context + allocator slack (reserve)"] = reserve_gib * GiB
     return {k: v / GiB for k, v in comp.items()}
+
+
+def run_memory_components(models, *, width: int, height: int, vae_dtype: str = "fp32") -> dict:
+    """Bytes one run needs on its device beside the weights a memory manager sees: each DiT's KV cache and text K/V,
+    the VAE's decode cache and the rollback snapshot of it, and the largest transient (a DiT call's block activations
+    or a VAE decode's temporaries, whichever is larger; they never overlap). What the ComfyUI nodes ask
+    ``load_models_gpu`` to reserve (``memory_required``); :func:`memory_components` counts the same terms, in GiB, for
+    the memory plan.
+
+    ``models``: one ``(role, config, cache_frames, kv_dtype, compute_bytes)`` per DiT the run uses: ``config`` with
+    diffusers' names (``num_attention_heads``, ``attention_head_dim``, ``ffn_dim``, ``num_layers``), the cache's
+    capacity in latent frames (a context scheme's ``capacity_frames``), ``kv_dtype`` ``auto`` or ``fp8``, bytes per
+    value of the compute dtype."""
+    if vae_dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"vae_dtype must be fp32, bf16 or fp16, got {vae_dtype!r}")
+    tpf = (height // 16) * (width // 16)
+    block_tokens = 3 * tpf
+    vae_bytes = 4 if vae_dtype == "fp32" else 2
+    comp: dict[str, float] = {}
+    dit_act = prefix = 0.0
+    for role, cfg, frames, kv_dtype, compute_bytes in models:
+        kv_cache_dtype(kv_dtype)
+        dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        shown = {"auto": f"{compute_bytes}-byte compute dtype"}.get(kv_dtype, kv_dtype)
+        comp[f"{role} KV ({frames} frames, {shown})"] = _kv_bytes(cfg, frames, tpf, kv_dtype, compute_bytes)
+        dit_act = max(dit_act, block_tokens * (dim * 6 + cfg["ffn_dim"]) * 2 * compute_bytes)
+        if kv_dtype == "fp8":  # one layer's cached prefix dequantized to the compute dtype
+            prefix = max(prefix, 2 * frames * tpf * dim * compute_bytes)
+    cache = _VAE_CACHE_FP32_PER_LATENT_PIXEL * (height // 8) * (width // 8) * vae_bytes / 4
+    comp[f"VAE decode cache ({vae_dtype})"] = cache
+    comp[f"VAE rollback snapshot ({vae_dtype}, until each draft's verdict)"] = cache
+    vae_act = _VAE_DECODE_TRANSIENT_FP32_PER_PIXEL * height * width * vae_bytes / 4
+    comp["largest transient: DiT block activations or VAE decode temporaries, whichever is larger"] = max(
+        dit_act + prefix, vae_act)
+    return comp
 
 
 def offload_slowdown(*, offload: str, fp8_target: bool, width: int = 832, height: int = 480, tflops: float = 50.0,

@@ -601,3 +601,128 @@ def test_advanced_options_node_wins_over_the_sampler_widgets(stack, services):
     assert logic.needed_inputs("schedule", 1, 1, None, logic.effective_schedule_veto(False, None)) == []
     with pytest.raises(ValueError, match="advanced_options: expected the output of SDVG Advanced Options"):
         sample(stack, None, services, mode="draft_only", advanced_options={"replay": True})
+
+
+# ------------------------------------------------------------------------------- SDVG Drafter / Target from MODEL
+def test_the_from_model_nodes_are_registered_after_the_others():
+    """Two new node ids appended (saved workflows keep every earlier id and widget order); their inputs in order: the
+    MODEL socket, then context_scheme and kv_dtype; their output the sampler's SDVG_MODEL. The V3 classes (read from
+    comfy_nodes.py, which needs ComfyUI to import) are listed in the same order."""
+    import ast
+
+    ids = [s.node_id for s in schema.NODES]
+    assert ids[:6] == ["SDVGLoadDrafter", "SDVGLoadTarget", "SDVGRewardRouter", "SDVGSpeculativeSampler",
+                       "SDVGLoadPromptEmbeddings", "SDVGAdvancedOptions"]
+    assert ids[6:] == ["SDVGDrafterFromModel", "SDVGTargetFromModel"]
+    for spec, role in ((schema.DRAFTER_FROM_MODEL, "Drafter"), (schema.TARGET_FROM_MODEL, "Target")):
+        assert spec.display_name == f"SDVG {role} from MODEL"
+        assert [(i.name, i.type) for i in spec.inputs] == [("model", "MODEL"), ("context_scheme", "COMBO"),
+                                                           ("kv_dtype", "COMBO")]
+        assert spec.input("context_scheme").options == ("auto", "global_cache", "recompute_window")
+        assert spec.input("kv_dtype").options == ("auto", "fp8")
+        assert [(o.name, o.type) for o in spec.outputs] == [("sdvg_model", schema.SDVG_MODEL)]
+        tooltip = spec.input("model").tooltip
+        assert all(word in tooltip for word in ("LoRA", "fp8", "GGUF", "attention", "one worker lane"))
+    assert schema.SAMPLER.input("drafter").type == schema.SAMPLER.input("target").type == schema.SDVG_MODEL
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "nodes" / "comfy_nodes.py").read_text())
+    listed = next(n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "NODE_CLASSES")
+    assert [e.id for e in listed.elts] == ids
+
+
+class _Model:
+    """What SDVG asks of a ComfyUI MODEL before anything else: ``get_model_object("diffusion_model")`` (counted)."""
+
+    def __init__(self, diffusion_model):
+        self.diffusion_model, self.asked = diffusion_model, 0
+
+    def get_model_object(self, name):
+        self.asked += 1
+        return {"diffusion_model": self.diffusion_model}[name]
+
+
+def _original_layout_wan(class_name: str, **attributes):
+    from test_original_layout import StandInWanModel
+    from wan_fixtures import tiny_wan, to_original_keys
+
+    model = type(class_name, (StandInWanModel,), {})(to_original_keys(tiny_wan(seed=1).state_dict()))
+    for name, value in attributes.items():
+        setattr(model, name, value)
+    return model
+
+
+@pytest.mark.parametrize("row", ["not_a_model", "packs_own_model", "wan_variant", "wan_i2v", "bad_context_scheme",
+                                 "bad_kv_dtype"])
+def test_from_model_bad_input_is_refused_clearly(row, services):
+    """A MODEL that SDVG cannot run is refused by the node with what was found and what to connect; bad widget values
+    before the MODEL is even asked for its diffusion model. None of it needs ComfyUI."""
+    from wan_fixtures import tiny_wan
+
+    inputs = dict(context_scheme="auto", kv_dtype="auto")
+    if row == "not_a_model":
+        inputs["model"], match = "wan.safetensors", (r"model: expected a ComfyUI MODEL \(the output of Load Diffusion "
+                                                     r"Model / UNETLoader, a LoRA loader or Unet Loader \(GGUF\)\), got a "
+                                                     r"builtins\.str")
+    elif row == "packs_own_model":
+        inputs["model"] = _Model(tiny_wan(seed=1))
+        match = (r"model: this MODEL is a sdvg_engine\.models\.causal_wan\.CausalWanTransformer3DModel \(no "
+                 r"text_embedding, time_embedding, time_projection, head\), not a Wan2\.1 DiT in ComfyUI's layout\. "
+                 r"SDVG runs Wan2\.1 text-to-video DiTs .* SDVG Load Drafter / SDVG Load Target for the checkpoint file")
+    elif row == "wan_variant":
+        inputs["model"] = _Model(_original_layout_wan("VaceWanModel"))
+        match = r"model: this MODEL is a .*\.VaceWanModel, a Wan variant with inputs of its own \(VACE"
+    elif row == "wan_i2v":
+        inputs["model"] = _Model(_original_layout_wan("WanModel", model_type="i2v"))
+        match = r"model: this MODEL is a Wan i2v model \(image conditioning\); SDVG runs Wan2\.1 text-to-video models"
+    else:
+        inputs["model"] = _Model(tiny_wan(seed=1))
+        name, value = ("context_scheme", "sliding") if row == "bad_context_scheme" else ("kv_dtype", "int8")
+        inputs[name] = value
+        match = rf"{name} must be one of \(.*\), got '{value}'"
+    with pytest.raises(ValueError, match=match):
+        logic.run_node("SDVGDrafterFromModel", services, **inputs)
+    if row.startswith("bad_"):
+        assert inputs["model"].asked == 0  # refused before the MODEL was touched
+
+
+def test_the_run_reserves_what_its_caches_take(stack, services):
+    """The bytes the sampler asks the memory manager to reserve (ComfyUI: load_models_gpu's memory_required, in the
+    same call that loads every model of the run) hold the KV caches and text K/V the run's models really allocate,
+    plus the VAE state and the largest transient of the memory plan."""
+    reserved = []
+
+    class Reserving(RecordingServices):
+        def load_run(self, patchers, memory_required=0):
+            reserved.append(memory_required)
+            super().load_run(patchers, memory_required)
+
+    svc = Reserving(services.folders)
+    out = sample(stack, None, svc, mode="first_block_only")
+    report = json.loads(out.report)
+    components = report["memory_required"]["components"]
+    assert reserved == [report["memory_required"]["bytes"]] == [sum(components.values())] and len(svc.loaded) == 1
+    for role in ("drafter", "target"):
+        model = stack[role].model
+        frames = 6  # the reference preset: the recompute window (3 context + 3 block frames) for both
+        allocated = (model.new_kv_cache(1, H // 8, W // 8, frames).geometry.nbytes
+                     + model.encode_text(stack["positive"][0][0]).nbytes)
+        assert components[f"{role} KV ({frames} frames, 4-byte compute dtype)"] == allocated
+    assert {k.split(" (")[0] for k in components} == {"drafter KV", "target KV", "VAE decode cache",
+                                                      "VAE rollback snapshot", "largest transient: DiT block "
+                                                      "activations or VAE decode temporaries, whichever is larger"}
+
+
+def test_run_memory_matches_the_memory_plan_at_832x480x81():
+    """The closed form the nodes reserve with is the memory plan's, term for term, for the 1.3B drafter and the 14B
+    target at 832x480, 81 frames (native preset: drafter on its 21-frame global cache; the bf16 / fp8 KV steps)."""
+    from sdvg_engine.models.causal_wan import wan_config
+    from sdvg_engine.offload import LADDER, memory_components, run_memory_components
+
+    drafter, target = wan_config("Wan2.1-T2V-1.3B"), wan_config("Wan2.1-T2V-14B")
+    for step in (LADDER[0], LADDER[4]):
+        kv = step["kv_dtype"]
+        ours = run_memory_components([("drafter", drafter, 21, kv, 2), ("target", target, 6, kv, 2)], width=832,
+                                     height=480, vae_dtype=step["vae_dtype"])
+        plan = {k: v for k, v in memory_components(**step).items() if "weights" not in k and "reserve" not in k
+                and "ImageReward" not in k}
+        assert len(ours) == len(plan) == 5
+        assert sorted(v / 2**30 for v in ours.values()) == pytest.approx(sorted(plan.values()), rel=1e-12)

@@ -1,0 +1,359 @@
+"""The ComfyUI MODEL path (SDVG Drafter / Target from MODEL, ``nodes/comfy_model.py``) inside a real ComfyUI, in process.
+
+Tiny Wan2.1 DiTs (width 256, 2 heads, 2 layers, text width 4096: what ComfyUI's detection recognises) are written in
+ComfyUI's ``diffusion_models`` layout and loaded the way Load Diffusion Model (``UNETLoader``) does
+(``comfy.sd.load_diffusion_model``); LoRAs go through ``comfy.sd.load_lora_for_models`` (what LoraLoaderModelOnly
+calls). Every result is compared with the pack's own loader on the same (merged, dequantised) weights.
+
+Needs a ComfyUI checkout and its Python (skipped otherwise)::
+
+    COMFYUI_PATH=.e2e/ComfyUI .e2e/venv/bin/python -m pytest -q -p no:xdist tests/test_comfy_model.py
+
+ComfyUI reads its launch flags once, when ``comfy.model_management`` is first imported: ``--cpu`` is set here first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
+if not (COMFYUI_PATH and (Path(COMFYUI_PATH) / "comfy" / "model_management.py").is_file()):
+    pytest.skip("in-process ComfyUI tests: set COMFYUI_PATH to a ComfyUI checkout and run them with its Python, e.g. "
+                "COMFYUI_PATH=.e2e/ComfyUI .e2e/venv/bin/python -m pytest -p no:xdist tests/test_comfy_model.py",
+                allow_module_level=True)
+
+sys.path.insert(0, str(ROOT))  # the pack's `nodes` package, ahead of ComfyUI's own nodes.py
+if COMFYUI_PATH not in sys.path:
+    sys.path.append(COMFYUI_PATH)
+if "comfy.model_management" not in sys.modules:
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True  # --cpu: read by comfy.model_management when it is first imported
+
+import comfy.ldm.modules.attention as comfy_attention  # noqa: E402
+import comfy.model_management as mm  # noqa: E402
+import comfy.model_patcher  # noqa: E402
+import comfy.sd  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from nodes import comfy_model, comfy_nodes, logic  # noqa: E402
+from node_fixtures import FakeComfyVAE  # noqa: E402
+from sdvg_engine.comfy_bridge import ModuleHolder  # noqa: E402
+from sdvg_engine.replay_key import weights_fingerprint  # noqa: E402
+from wan_fixtures import text_context, tiny_wan, write_checkpoint, write_scaled_fp8  # noqa: E402
+
+if mm.get_torch_device().type != "cpu":
+    pytest.skip("comfy.model_management was imported before this module without --cpu", allow_module_level=True)
+
+W, H, FRAMES = 48, 32, 33  # 3 blocks of 3 latent frames
+CPU = torch.device("cpu")
+PREFIX = "model.diffusion_model."
+POSITIVE = [[text_context(seed=1), {"pooled_output": None}]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comfy_models")
+    out = {}
+    for role, seed in (("drafter", 1), ("target", 2)):
+        (root / role).mkdir()
+        out[role] = write_checkpoint("comfyui", tiny_wan(seed=seed), root / role)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return FakeComfyVAE()
+
+
+@pytest.fixture(scope="module")
+def comfy_vae():
+    """The same VAE for the runs under ComfyServices (a VAE's conversion is cached with the patcher that made it)."""
+    return FakeComfyVAE()
+
+
+@pytest.fixture
+def load_calls(monkeypatch):
+    """Every ``load_models_gpu`` call's arguments (the real function still runs)."""
+    calls, real = [], mm.load_models_gpu
+
+    def recording(models, *args, **kwargs):
+        calls.append((list(models), kwargs))
+        return real(models, *args, **kwargs)
+
+    monkeypatch.setattr(mm, "load_models_gpu", recording)
+    return calls
+
+
+def unet(path, dtype=None):
+    """What Load Diffusion Model (UNETLoader) returns for ``path`` with weight_dtype ``dtype``."""
+    return comfy.sd.load_diffusion_model(str(path), model_options={} if dtype is None else {"dtype": dtype})
+
+
+def pack_model(path, role):
+    return logic.load_sdvg_model(str(path), role=role, dtype="fp32", device="cpu", services=logic.Services())
+
+
+def sample(drafter, target, services, vae, mode="first_block_only", **kw):
+    return logic.run_sampler(drafter=drafter, target=target, router=None, positive=POSITIVE, vae=vae, width=W, height=H,
+                             length=FRAMES, seed=3, mode=mode, replay=False, services=services, **kw)
+
+
+def original_state(path) -> dict:
+    return {k[len(PREFIX):]: v for k, v in load_file(str(path)).items() if k.startswith(PREFIX)}
+
+
+def write_original(state: dict, path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({PREFIX + k: v.contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
+def make_lora(state: dict, seed: int, rank: int = 4) -> dict:
+    """A LoRA in the common ``diffusion_model.<module>.lora_up/lora_down/alpha`` format on every attention projection,
+    the first FFN layer of each block and the time projection."""
+    g = torch.Generator().manual_seed(seed)
+    lora = {}
+    for key, weight in state.items():
+        if key.endswith(".weight") and weight.ndim == 2 and any(
+                part in key for part in (".q.", ".k.", ".v.", ".o.", "ffn.0", "time_projection")):
+            name = "diffusion_model." + key[:-len(".weight")]
+            lora[name + ".lora_up.weight"] = torch.randn(weight.shape[0], rank, generator=g) * 0.1
+            lora[name + ".lora_down.weight"] = torch.randn(rank, weight.shape[1], generator=g) * 0.1
+            lora[name + ".alpha"] = torch.tensor(float(rank) / 2)
+    return lora
+
+
+def merged(state: dict, lora: dict, strength: float) -> dict:
+    """``state`` with ``lora`` merged offline: W + strength * alpha / rank * up @ down."""
+    out = dict(state)
+    for key in lora:
+        if key.endswith(".lora_up.weight"):
+            name = key[:-len(".lora_up.weight")]
+            up, down = lora[key], lora[name + ".lora_down.weight"]
+            target = name[len("diffusion_model."):] + ".weight"
+            scale = lora[name + ".alpha"].item() / down.shape[0]
+            out[target] = state[target] + strength * scale * (up @ down)
+    return out
+
+
+def dequantised(source: torch.nn.Module) -> dict:
+    """The weights a ComfyUI DiT holds, in float32: fp8 values widened, scaled-fp8 ones times their scale."""
+    state = source.state_dict()
+    out = {}
+    for key, value in state.items():
+        if key.endswith((".scale_weight", ".scale_input")):
+            continue
+        scale = state.get(key[:-len("weight")] + "scale_weight") if key.endswith(".weight") else None
+        out[key] = value.float() * (scale.float() if scale is not None else 1.0)
+    return out
+
+
+def latents_error(a, b) -> float:
+    return (a.result.latents - b.result.latents).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------------------ equivalence
+def test_the_model_path_equals_the_packs_loader(files, vae, comfy_vae, load_calls):
+    own = sample(pack_model(files["drafter"], "drafter"), pack_model(files["target"], "target"), logic.Services(), vae)
+    drafter = logic.run_node("SDVGDrafterFromModel", comfy_nodes.ComfyServices(), model=unet(files["drafter"]),
+                             context_scheme="auto", kv_dtype="auto").outputs[0]
+    target = logic.run_node("SDVGTargetFromModel", comfy_nodes.ComfyServices(), model=unet(files["target"]),
+                            context_scheme="auto", kv_dtype="auto").outputs[0]
+    via = sample(drafter, target, comfy_nodes.ComfyServices(), comfy_vae, workers="2")
+
+    assert latents_error(via, own) <= 1e-5
+    assert (via.frames - own.frames).abs().max().item() <= 1e-4
+    report, own_report = json.loads(via.report), json.loads(own.report)
+    assert report["decisions"] == own_report["decisions"] == ["target", "draft", "draft"]
+    assert report["models"]["drafter"]["source"] == "ComfyUI MODEL"
+    assert report["models"]["target"]["attention"] == comfy_attention.optimized_attention.__name__
+    # workers="2" asked for, one lane run: ComfyUI casts (and on low-VRAM loads moves) a MODEL's weights per call.
+    assert not report["settings"]["workers"]["parallel"]
+    assert report["settings"]["workers"]["one_lane"].startswith("the drafter and the target are ComfyUI MODEL")
+    assert "one_lane" not in own_report["settings"]["workers"]
+    # One load call for the run: both MODELs (their own patchers) and the converted VAE, partial loads allowed, with
+    # room for the KV caches, the VAE state and the activations.
+    [(models, kwargs)] = load_calls
+    assert drafter.patcher in models and target.patcher in models and len(models) == 3
+    assert kwargs == {"memory_required": report["memory_required"]["bytes"], "force_full_load": False}
+    assert report["memory_required"]["bytes"] == sum(report["memory_required"]["components"].values()) > 0
+
+
+def test_masked_calls_keep_their_mask_whatever_backend_comfyui_chose(files, monkeypatch):
+    """The recompute window's attention bias is a masked call: it must reach SDPA even when the backend ComfyUI was
+    launched with ignores masks (as flash and sage do); unmasked calls use that backend."""
+    used = []
+
+    def mask_dropping(q, k, v, heads, mask=None, **kwargs):
+        used.append(mask is not None)
+        return comfy_attention.attention_pytorch(q, k, v, heads, skip_reshape=kwargs.get("skip_reshape", False))
+
+    monkeypatch.setattr(comfy_attention, "optimized_attention", mask_dropping)
+    view = logic.load_model_from_comfy(unet(files["drafter"]), role="drafter").model
+    own = pack_model(files["drafter"], "drafter").model
+    context = text_context(seed=4)
+    x, t = torch.randn(1, 16, 3, H // 8, W // 8, generator=torch.Generator().manual_seed(0)), torch.full((1, 3), 600.0)
+    outs = {}
+    with torch.inference_mode():
+        for name, model in (("view", view), ("own", own)):
+            text, cache = model.encode_text(context), model.new_kv_cache(1, H // 8, W // 8, 9)
+            model.forward_block(x, t, text, cache, 0)
+            model.forward_block(x, t, text, cache, 3)
+            outs[name] = model.forward_block(x, t, text, cache, 6, cache_bias=((0, 3), -3.0))
+            outs[name + " unbiased"] = model.forward_block(x, t, text, cache, 6)
+    assert (outs["view"] - outs["own"]).abs().max().item() <= 1e-5
+    assert (outs["view"] - outs["view unbiased"]).abs().max().item() > 1e-3  # the bias matters here
+    assert used and not any(used)  # the chosen backend ran, never with a mask
+
+
+# ------------------------------------------------------------------------------------------------------------- LoRA
+class PartialLoadServices(comfy_nodes.ComfyServices):
+    """ComfyUI's low-VRAM load of the MODELs, forced on the CPU (where every load is whole): every op keeps its
+    weights where they are and gets the LoRA as a per-call ``LowVramPatch``, as on a GPU short of memory."""
+
+    def load_run(self, patchers, memory_required=0):
+        for p in patchers:
+            if type(p) is comfy.model_patcher.ModelPatcher:
+                p.patch_model(device_to=CPU, lowvram_model_memory=1)
+        super().load_run([p for p in patchers if type(p) is not comfy.model_patcher.ModelPatcher], memory_required)
+
+
+@pytest.mark.parametrize("load", ["full", "lowvram"])
+def test_a_lora_equals_its_offline_merge_and_leaves_the_base_weights(files, vae, comfy_vae, tmp_path, load):
+    base_state = original_state(files["drafter"])
+    lora = make_lora(base_state, seed=5)
+    reference = pack_model(write_original(merged(base_state, lora, 0.8), tmp_path / "merged.safetensors"), "drafter")
+    plain = sample(pack_model(files["drafter"], "drafter"), None, logic.Services(), vae, mode="draft_only")
+    expected = sample(reference, None, logic.Services(), vae, mode="draft_only")
+
+    base = unet(files["drafter"])
+    patched, _ = comfy.sd.load_lora_for_models(base, None, lora, 0.8, 0)
+    assert len(patched.patches) == sum(k.endswith(".lora_up.weight") for k in lora)
+    model = logic.load_model_from_comfy(patched, role="drafter")
+    services = comfy_nodes.ComfyServices() if load == "full" else PartialLoadServices()
+    out = sample(model, None, services, comfy_vae, mode="draft_only")
+
+    assert latents_error(out, expected) <= 1e-5
+    assert latents_error(out, plain) > 1e-3  # the LoRA changes the video
+    source = patched.get_model_object("diffusion_model")
+    if load == "lowvram":
+        assert patched.model.model_lowvram
+        assert type(source.blocks[0].self_attn.q.weight_function[0]).__name__ == "LowVramPatch"
+        # applied per call: the parameters stayed the base weights all along
+        assert all(torch.equal(v, base_state[k]) for k, v in source.state_dict().items())
+        patched.unpatch_model(device_to=CPU)
+    else:
+        assert not torch.equal(source.blocks[0].self_attn.q.weight, base_state["blocks.0.self_attn.q.weight"])
+        mm.unload_all_models()
+    assert all(torch.equal(v, base_state[k]) for k, v in source.state_dict().items())
+    assert not any(getattr(m, "weight_function", None) for m in source.modules())
+
+
+# ---------------------------------------------------------------------------------------------------- quantisation
+@pytest.mark.parametrize("kind", ["fp8_e4m3fn", "fp8_scaled"])
+def test_fp8_weights_equal_their_dequantised_reference(files, vae, comfy_vae, tmp_path, kind):
+    if kind == "fp8_e4m3fn":  # Load Diffusion Model's weight_dtype fp8_e4m3fn
+        patcher = unet(files["drafter"], torch.float8_e4m3fn)
+    else:  # a *_fp8_scaled file: float8 weights with a per-tensor scale_weight
+        patcher = unet(write_scaled_fp8(tiny_wan(seed=1), tmp_path / "wan_fp8_scaled.safetensors",
+                                        marker=PREFIX + "scaled_fp8"))
+    source = patcher.get_model_object("diffusion_model")
+    assert source.blocks[0].self_attn.q.weight.dtype == torch.float8_e4m3fn
+    assert hasattr(source.blocks[0].self_attn.q, "scale_weight") == (kind == "fp8_scaled")
+    reference = pack_model(write_original(dequantised(source), tmp_path / "dequantised.safetensors"), "drafter")
+    expected = sample(reference, None, logic.Services(), vae, mode="draft_only")
+    model = logic.load_model_from_comfy(patcher, role="drafter")
+    out = sample(model, None, comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only")
+    assert "fp8_e4m3fn" in model.describe()["weights"]
+    assert latents_error(out, expected) <= 1e-4
+    mm.unload_all_models()
+
+
+# ---------------------------------------------------------------------------------------------------------- replay
+def test_the_replay_identity_follows_lora_strength_and_quantisation(files):
+    base = unet(files["drafter"])
+    state = original_state(files["drafter"])
+    lora_a, lora_b = make_lora(state, seed=5), make_lora(state, seed=6)
+
+    def view(patcher):
+        return logic.load_model_from_comfy(patcher, role="drafter").model
+
+    def with_lora(lora, strength):
+        return view(comfy.sd.load_lora_for_models(base, None, lora, strength, 0)[0])
+
+    a = with_lora(lora_a, 1.0)
+    identities = {"a": a.sdvg_identity(), "a again": with_lora(lora_a, 1.0).sdvg_identity(),
+                  "a at 0.5": with_lora(lora_a, 0.5).sdvg_identity(), "b": with_lora(lora_b, 1.0).sdvg_identity(),
+                  "no lora": view(base).sdvg_identity(), "fp8": view(unet(files["drafter"], torch.float8_e4m3fn)).sdvg_identity()}
+    assert identities["a"] == identities["a again"]  # a LoRA loader run again with the same file and strength
+    distinct = [identities[k] for k in ("a", "a at 0.5", "b", "no lora", "fp8")]
+    assert len(set(distinct)) == len(distinct)
+    # What the identity is for: a LoRA not merged into the parameters (patches not applied yet, or a low-VRAM load)
+    # leaves the weights' fingerprint as it was.
+    assert weights_fingerprint(a) == weights_fingerprint(view(base))
+
+
+# ---------------------------------------------------------------------------------------------------------- cancel
+def test_cancel_stops_a_model_backed_run_and_the_flag_clears(files, comfy_vae):
+    class CancelAfterTheFirstBlock(comfy_nodes.ComfyServices):
+        done = []
+
+        def progress(self, value, total, preview=None):
+            self.done.append(value)
+            if value == 1:
+                mm.interrupt_current_processing(True)  # the Cancel button
+
+    model = logic.load_model_from_comfy(unet(files["drafter"]), role="drafter")
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(model, None, CancelAfterTheFirstBlock(), comfy_vae, mode="draft_only")
+    assert CancelAfterTheFirstBlock.done == [0, 1]
+    assert not mm.processing_interrupted()
+    assert sample(model, None, comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only").frames.shape[0] == FRAMES
+
+
+# ---------------------------------------------------------------------------------------------------------- memory
+def test_the_packs_own_models_load_whole_under_a_partial_budget():
+    """Plain torch modules cannot be streamed by ComfyUI: a plain ModelPatcher given a 1-byte budget leaves them on the
+    offload device (a forward would then meet weights on two devices); the pack's WholeModulePatcher loads them
+    whole and, asked to free memory, frees nothing (so ComfyUI unloads it whole)."""
+    plain = comfy.model_patcher.ModelPatcher(ModuleHolder(tiny_wan(seed=3)), load_device=CPU, offload_device=CPU)
+    plain.patch_model(device_to=CPU, lowvram_model_memory=1)
+    assert plain.loaded_size() < plain.model_size()
+    whole = comfy_nodes.ComfyServices().wrap(ModuleHolder(tiny_wan(seed=3)), CPU, CPU)
+    whole.patch_model(device_to=CPU, lowvram_model_memory=1)
+    assert whole.loaded_size() == whole.model_size() and not whole.model.model_lowvram
+    assert whole.partially_unload(CPU, memory_to_free=1) == 0
+
+
+def test_a_model_that_is_not_a_wan_is_refused_by_name():
+    class NotWan(torch.nn.Module):
+        pass
+
+    patcher = comfy.model_patcher.ModelPatcher(ModuleHolder(torch.nn.Linear(2, 2)), load_device=CPU, offload_device=CPU)
+    patcher.add_object_patch("diffusion_model", NotWan())
+    with pytest.raises(ValueError, match=r"model: this MODEL is a .*NotWan .*not a Wan2.1 DiT"):
+        logic.run_node("SDVGTargetFromModel", comfy_nodes.ComfyServices(), model=patcher, context_scheme="auto",
+                       kv_dtype="auto")
+
+
+def test_the_view_is_a_comfy_model_view(files):
+    """The node's model: ComfyUI's modules under the engine's forward (no weight copied), ComfyUI's device and
+    compute dtype, the context scheme from the model's width (the 14B's 5120: recompute window)."""
+    patcher = unet(files["target"])
+    sdvg_model = logic.load_model_from_comfy(patcher, role="target", kv_dtype="fp8")
+    view = sdvg_model.model
+    source = patcher.get_model_object("diffusion_model")
+    assert view.source is source and {id(p) for p in view.parameters()} == {id(p) for p in source.parameters()}
+    assert view.device == patcher.load_device and view.compute_dtype == comfy_model.compute_dtype_of(patcher)
+    assert view.kv_cache_dtype == torch.float8_e4m3fn
+    assert sdvg_model.context_scheme == "global_cache" and sdvg_model.requested_context_scheme == "auto"
+    assert logic.load_model_from_comfy(patcher, role="target", context_scheme="recompute_window").context_scheme == \
+        "recompute_window"
