@@ -5,9 +5,11 @@ Runs when ``COMFYUI_PATH`` names a ComfyUI checkout (``COMFYUI_PYTHON``: its int
 Otherwise it is skipped.
 
 The server starts with ``--cpu`` on 127.0.0.1, loads only this pack (a symlink in a temporary
-custom_nodes folder named by an ``--extra-model-paths-config`` yaml, with every other custom node
-disabled) and reads tiny model files written under the real checkpoints' names (see
-``node_fixtures``), so the shipped API workflows run unchanged except for a small video size. ComfyUI
+custom_nodes folder named by an ``--extra-model-paths-config`` yaml) and ComfyUI-GGUF when it is in the
+checkout's ``custom_nodes/`` (``make e2e`` puts it there), with every other custom node disabled, and reads
+tiny model files written under the real checkpoints' names (see ``node_fixtures`` and ``e2e_fixtures``), so
+the shipped API workflows run unchanged except for a small video size. Tested against ComfyUI 0.3.64 and
+the LTS fork (hiddenswitch/pip-and-uv-installable-ComfyUI 0.12.1); ``scripts/e2e.sh`` runs both. ComfyUI
 cannot load a tiny Wan VAE (it hard-codes the VAE width), so the VAE is a full-size random one.
 The CLIPLoader workflows cannot run without the 11 GB UMT5-XXL: the server validates them (the
 prompt is accepted) and, with a dummy text-encoder file, the sampler rejects the resulting non-UMT5
@@ -16,6 +18,7 @@ conditioning with its "use CLIPLoader type wan" message.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import socket
@@ -28,8 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from e2e_fixtures import COMFY_PREFIX, write_comfy_files, write_q8_0_gguf, write_tiny_lora
 from node_fixtures import write_comfy_vae, write_tiny_models
-from workflow_checks import CORE, ROOT, SPECS, node_of, sized_api_workflow
+from workflow_checks import CORE, OTHER_PACKS, ROOT, SPECS, node_of, sized_api_workflow
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 pytestmark = pytest.mark.skipif(
@@ -39,6 +43,14 @@ pytestmark = pytest.mark.skipif(
 
 API_DIR = ROOT / "tests" / "api_workflows"
 PACK = "ComfyUI-SDVG"
+#: the LTS fork (hiddenswitch/pip-and-uv-installable-ComfyUI): its --disable-all-custom-nodes skips every custom node,
+#: whitelist or not, so there the server loads what its custom_nodes/ holds (make e2e leaves it empty)
+IS_LTS = bool(COMFYUI_PATH) and Path(COMFYUI_PATH, "comfy", "nodes", "vanilla_node_importing.py").is_file()
+#: city96/ComfyUI-GGUF in the checkout's custom_nodes/ (UnetLoaderGGUF); make e2e puts it into ComfyUI 0.3.64. It does
+#: not import in the LTS fork (its folder_names_and_paths.get(key, default) raises "get with default is not
+#: supported" there), whose core reads .gguf files itself: there Load Diffusion Model (UNETLoader) loads the GGUF.
+GGUF_PACK = "ComfyUI-GGUF"
+HAS_GGUF = bool(COMFYUI_PATH) and Path(COMFYUI_PATH, "custom_nodes", GGUF_PACK, "nodes.py").is_file()
 W, H, LENGTH = 48, 32, 33  # 3 blocks
 STARTUP_S, RUN_S = 300, 300
 
@@ -63,8 +75,12 @@ class Server:
         cmd = [os.environ.get("COMFYUI_PYTHON", "python"), "main.py", "--cpu", "--listen", "127.0.0.1",
                "--port", str(self.port), "--disable-auto-launch", "--extra-model-paths-config", str(self.root / "paths.yaml"),
                "--output-directory", str(self.output), "--temp-directory", str(self.root / "temp"),
-               "--user-directory", str(self.root / "user"), "--database-url", "sqlite:///:memory:",
-               "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK]
+               "--user-directory", str(self.root / "user"),
+               # a file: the LTS fork's asset scanner opens new connections, which an in-memory database gives no tables
+               "--database-url", f"sqlite:///{self.root / 'comfyui.db'}",
+               ]
+        if not IS_LTS:
+            cmd += ["--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK] + ([GGUF_PACK] if HAS_GGUF else [])
         if os.environ.get("SDVG_E2E_FRONTEND_ROOT"):  # another frontend, e.g. comfyui-frontend-package 1.58.1's static/
             cmd += ["--front-end-root", os.environ["SDVG_E2E_FRONTEND_ROOT"]]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -82,8 +98,15 @@ class Server:
         else:
             pytest.fail(f"ComfyUI did not serve the SDVG nodes within {STARTUP_S}s:\n{self.log()[-5000:]}")
         # Only this pack's import matters (core audio nodes fail without torchaudio, which has no build for every torch).
-        failed = [line for line in self.log().splitlines() if ("IMPORT FAILED" in line or "Cannot import" in line)
+        # The LTS fork also logs "Skip <path> module for custom nodes due to the lack of NODE_CLASS_MAPPINGS" (an
+        # error, with a traceback in some versions) for a pack that only has the V3 entry point.
+        lines = self.log().splitlines()
+        failed = [line for line in lines if any(s in line for s in ("IMPORT FAILED", "Cannot import", "lack of NODE_CLASS_MAPPINGS"))
                   and (PACK in line or "sdvg" in line.lower())]
+        ours = (f"/{PACK}/", "/sdvg_engine/", "/nodes/comfy_nodes.py", "/nodes/comfy_model.py")
+        failed += ["\n".join(lines[i:i + 30]) for i, line in enumerate(lines)  # a traceback through the pack's code
+                   if line.startswith("Traceback")
+                   and any(x.lstrip().startswith("File ") and any(o in x for o in ours) for x in lines[i:i + 30])]
         assert not failed, "\n".join(failed) + "\n" + self.log()[-5000:]
 
     def stop(self) -> None:
@@ -133,11 +156,50 @@ class Server:
         pytest.fail(f"prompt {prompt_id} did not finish within {timeout}s:\n{self.log()[-5000:]}")
 
 
+# ---- model files for ComfyUI's own loaders (the shipped native workflows' names) ---------------------------------
+NATIVE_DRAFTER = "self_forcing_dmd_comfy.safetensors"  # what `sdvg export-comfy` writes from self_forcing_dmd.pt
+GGUF_TARGET = "krea-realtime-video-14b-Q8_0.gguf"
+GGUF_REFERENCE = "krea-realtime-video-14b-Q8_0_dequant.safetensors"  # the GGUF's tensors, dequantised to fp32
+LORAS = {"drafter": "wan2.1_t2v_1.3b_lora.safetensors", "target": "wan2.1_t2v_14b_lora.safetensors"}
+MERGED_TARGET = "sdvg_target_lora_merged.safetensors"  # the target with its LoRA merged offline (strength 1)
+
+
+def write_native_models(models: Path, files: dict) -> None:
+    """The files the native workflows load, from the tiny drafter and target of ``write_tiny_models``: the drafter
+    exported to ComfyUI's layout, the target replaced by its export (so UNETLoader and the pack's file loader read the
+    same file under Krea's name), a tiny LoRA per model, the target with its LoRA merged offline, and a Q8_0 GGUF of
+    the target beside its dequantised reference."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from sdvg_engine.models.comfy_layout import export_comfy
+
+    diffusion = models / "diffusion_models"
+    export_comfy(files["drafter"], diffusion / NATIVE_DRAFTER, dtype="fp32")
+    export_comfy(files["target"], diffusion / "target_export.safetensors", dtype="fp32")
+    (diffusion / "target_export.safetensors").replace(files["target"])
+    for seed, role in enumerate(LORAS, start=1):
+        write_tiny_lora(models / "loras" / LORAS[role], seed=seed)
+    target = load_file(str(files["target"]))
+    with safe_open(str(files["target"]), "pt") as f:
+        metadata = f.metadata()
+    lora = load_file(str(models / "loras" / LORAS["target"]))
+    for key in [k for k in lora if k.endswith(".lora_up.weight")]:
+        module = key[len("diffusion_model."):-len(".lora_up.weight")]
+        down = lora[key.replace("lora_up", "lora_down")]
+        alpha = lora[key.replace(".lora_up.weight", ".alpha")].item()
+        weight = COMFY_PREFIX + module + ".weight"
+        target[weight] = target[weight] + (alpha / down.shape[0]) * (lora[key] @ down)
+    save_file(target, str(diffusion / MERGED_TARGET), metadata=metadata)
+    write_q8_0_gguf(files["target"], diffusion / GGUF_TARGET, diffusion / GGUF_REFERENCE)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("comfyui_e2e")
     models = root / "models"
-    write_tiny_models(models, target_scheme="recompute_window")  # the target runs Krea's scheme, as the 14B would
+    files = write_tiny_models(models, target_scheme="recompute_window")  # the target runs Krea's scheme, as the 14B would
+    write_native_models(models, files)
     write_comfy_vae(models / "vae" / "wan_2.1_vae.safetensors")
     (models / "text_encoders").mkdir()
     (models / "text_encoders" / "umt5_xxl_fp8_e4m3fn_scaled.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
@@ -149,6 +211,7 @@ def server(tmp_path_factory):
         "    custom_nodes: custom_nodes\n"
         "    diffusion_models: models/diffusion_models\n"
         "    vae: models/vae\n"
+        "    loras: models/loras\n"
         "    text_encoders: models/text_encoders\n"
         "    sdvg_reward: models/sdvg_reward\n"
         "    sdvg_embeddings: models/sdvg_embeddings\n"
@@ -159,9 +222,18 @@ def server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-        version = Path(COMFYUI_PATH, "comfyui_version.py")
-        print(f"\nComfyUI {version.read_text().split('=')[-1].strip() if version.exists() else '?'} at {COMFYUI_PATH}; "
-              f"log: {srv.log_path}")
+        print(f"\nComfyUI {comfyui_version()} at {COMFYUI_PATH}; log: {srv.log_path}")
+
+
+def comfyui_version() -> str:
+    """The checkout's version: comfyui_version.py (upstream) or pyproject.toml (the LTS fork)."""
+    import re
+
+    for name, pattern in (("comfyui_version.py", r"__version__\s*=\s*['\"]([^'\"]+)"), ("pyproject.toml", r'(?m)^version\s*=\s*"([^"]+)"')):
+        path = Path(COMFYUI_PATH, name)
+        if path.exists() and (m := re.search(pattern, path.read_text())):
+            return m.group(1)
+    return "?"
 
 
 def api_workflow(name: str, **sampler_inputs) -> dict:
@@ -183,13 +255,24 @@ def interrupted_run(server: Server, prompt: dict, after_s: float) -> dict:
 
 
 def messages(entry: dict, event: str) -> list[dict]:
-    return [data for name, data in entry["status"].get("messages", []) if name == event]
+    """The ``event`` messages of a /history entry's status, as dicts. ComfyUI 0.3.64 lists ``[event, data]`` pairs;
+    the LTS fork (0.12.1) lists them as strings (``str((event, data))``: a Python tuple's repr)."""
+    found = []
+    for message in entry["status"].get("messages", []):
+        if isinstance(message, str):
+            message = ast.literal_eval(message)
+        name, data = message
+        if name == event:
+            found.append(data)
+    return found
 
 
 # -------------------------------------------------------------------------------------------------------- tests
 def test_object_info_matches_the_schemas(server):
     """Our V3 classes expose exactly nodes.schema; the tests' core schemas agree with the live server."""
     for spec in SPECS.values():
+        if spec.node_id in OTHER_PACKS and not HAS_GGUF:
+            continue
         info = server.get(f"/object_info/{spec.node_id}")[spec.node_id]
         order = info["input_order"]
         assert [i.name for i in spec.inputs if not i.optional] == order.get("required", [])
@@ -318,11 +401,14 @@ def test_interrupt_stops_the_sampler(server):
 
 
 @pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_16gb", "sdvg_text_to_video_48gb",
-                                  "sdvg_compare_vs_target"])
+                                  "sdvg_compare_vs_target", "sdvg_native_model", "sdvg_native_gguf"])
 def test_text_encoder_workflows_validate(server, name):
     """Accepted by the server's validation (``queue`` asserts no node errors). The text encoder file is a dummy:
     ComfyUI 0.3.64 then builds a default 768-wide CLIP from it, and the sampler must reject that conditioning
-    with a message that names the right text encoder (an older/newer ComfyUI may fail at CLIPLoader instead)."""
+    with a message that names the right text encoder (an older/newer ComfyUI may fail at CLIPLoader instead).
+    The native workflows load their models with ComfyUI's loaders (the tiny LoRAs under the shipped names)."""
+    if name == "sdvg_native_gguf":
+        require_gguf()  # the shipped file names Unet Loader (GGUF); test_native_workflows_run_with_a_lora covers the LTS fork
     prompt = api_workflow(name)
     entry = server.wait(server.queue(prompt))
     errors = messages(entry, "execution_error")
@@ -423,6 +509,211 @@ def decoded_frames(path: Path) -> list[bytes]:
     av = pytest.importorskip("av")
     with av.open(str(path)) as container:
         return [frame.to_ndarray(format="rgb24").tobytes() for frame in container.decode(container.streams.video[0])]
+
+
+# ------------------------------------------------------------------------------- the ComfyUI-native path (MODEL)
+def require_gguf() -> None:
+    """Skip (or fail, under make e2e) a test that needs ComfyUI-GGUF's Unet Loader (GGUF) where it is missing."""
+    if not HAS_GGUF:
+        if os.environ.get("SDVG_E2E_REQUIRE_GGUF") == "1":  # `make e2e` installs it: missing is then a failure
+            pytest.fail(f"ComfyUI-GGUF is not in {COMFYUI_PATH}/custom_nodes (scripts/e2e.sh puts it there)")
+        pytest.skip(f"ComfyUI-GGUF is not in {COMFYUI_PATH}/custom_nodes")
+
+
+def native_prompt(name: str = "sdvg_native_model", *, lora: bool = True, **sampler_inputs) -> dict:
+    """A shipped native workflow at the small size, runnable without the 11 GB UMT5: the prompt comes from the
+    pre-encoded embeddings file (as in sdvg_prompt_embeddings) instead of CLIPLoader + CLIPTextEncode. ``lora=False``
+    takes the LoRA nodes out (as bypassing them does). The target runs Krea's context scheme, as the 14B would
+    ('auto' follows the width, and the tiny model is narrow)."""
+    prompt = api_workflow(name, **sampler_inputs)
+    text, clip, encode = (node_id(prompt, t) for t in ("PrimitiveStringMultiline", "CLIPLoader", "CLIPTextEncode"))
+    del prompt[text], prompt[clip]
+    prompt[encode] = {"class_type": "SDVGLoadPromptEmbeddings", "inputs": {"embeddings_file": "prompts.safetensors", "index": 0}}
+    prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"].update(positive=[encode, 0], reward_prompt=[encode, 1])
+    prompt[node_id(prompt, "SDVGTargetFromModel")]["inputs"]["context_scheme"] = "recompute_window"
+    if not lora:
+        for nid in [k for k, v in prompt.items() if v["class_type"] == "LoraLoaderModelOnly"]:
+            source = prompt.pop(nid)["inputs"]["model"]
+            for node in prompt.values():
+                for key, value in node["inputs"].items():
+                    if value == [nid, 0]:
+                        node["inputs"][key] = source
+    return prompt
+
+
+def lora_node(prompt: dict, role: str) -> dict:
+    sdvg = prompt[node_id(prompt, "SDVGDrafterFromModel" if role == "drafter" else "SDVGTargetFromModel")]
+    return prompt[sdvg["inputs"]["model"][0]]
+
+
+def save_latent(prompt: dict) -> dict:
+    """Adds core's SaveLatent on the sampler's latents (node 901) and SaveImage on its frames (node 902): the run's
+    latents and its 8-bit frames as PNGs (lossless, unlike the video's H.264)."""
+    sampler = node_id(prompt, "SDVGSpeculativeSampler")
+    prefix = uuid.uuid4().hex[:8]
+    prompt["901"] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 2], "filename_prefix": f"latents/{prefix}"}}
+    prompt["902"] = {"class_type": "SaveImage", "inputs": {"images": [sampler, 0], "filename_prefix": f"frames/{prefix}"}}
+    return prompt
+
+
+def run_outputs(server: Server, prompt: dict, mode: str):
+    """Run ``prompt`` (with :func:`save_latent`'s nodes); its report, 8-bit frames [T, H, W, 3] and latents."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    entry = server.wait(server.queue(prompt))
+    report = _check_outputs(server, prompt, entry, mode)
+    saved = entry["outputs"]["901"]["latents"][0]
+    latents = load_file(str(server.output / saved["subfolder"] / saved["filename"]))["latent_tensor"].to(torch.float32)
+    images = sorted(entry["outputs"]["902"]["images"], key=lambda i: i["filename"])
+    frames = np.stack([np.asarray(Image.open(server.output / i["subfolder"] / i["filename"]).convert("RGB")) for i in images])
+    assert frames.shape == (LENGTH, H, W, 3)
+    return report, frames, latents
+
+
+def pack_loader_prompt(*, target_file: str = "krea-realtime-video-14b.safetensors", **sampler_inputs) -> dict:
+    """sdvg_prompt_embeddings with the pack's own file loaders set to what a MODEL run does on the CPU: fp32 weights,
+    fp32 (auto) KV caches, no offload, each model's context scheme as the native runs have it."""
+    prompt = api_workflow("sdvg_prompt_embeddings", **sampler_inputs)
+    common = dict(dtype="fp32", device="auto", offload="none", kv_dtype="auto", card="manual")
+    prompt[node_id(prompt, "SDVGLoadDrafter")]["inputs"].update(ckpt_name=NATIVE_DRAFTER, context_scheme="global_cache", **common)
+    prompt[node_id(prompt, "SDVGLoadTarget")]["inputs"].update(ckpt_name=target_file, context_scheme="recompute_window", **common)
+    return prompt
+
+
+def model_path_prompt(name: str = "sdvg_native_model", *, lora: bool = False, **sampler_inputs) -> dict:
+    prompt = native_prompt(name, lora=lora, **sampler_inputs)
+    for class_type in ("SDVGDrafterFromModel", "SDVGTargetFromModel"):
+        prompt[node_id(prompt, class_type)]["inputs"]["kv_dtype"] = "auto"
+    prompt[node_id(prompt, "SDVGDrafterFromModel")]["inputs"]["context_scheme"] = "global_cache"
+    for nid, node in prompt.items():  # fp32 weights, as the pack's loader is set
+        if node["class_type"] == "UNETLoader":
+            node["inputs"]["weight_dtype"] = "default"
+    return prompt
+
+
+def _compare(name: str, a, b, *, relative_tol: float, pixel_tol: int) -> None:
+    """Two runs' outputs agree: decisions, draft scores, latents within ``relative_tol`` of their largest value, 8-bit
+    frames within ``pixel_tol`` levels. Prints what was measured.
+
+    Two fp32 forwards that sum in a different order (ComfyUI's ops and the pack's modules, a LoRA patched at load time
+    and one merged offline) differ by float rounding, which the 3 blocks x 4 steps of sampling carry into the latents at
+    about 1e-6 of their size (~16): the decoded frames then differ by one 8-bit level where a value sits on a rounding
+    boundary (a dozen of 152k values). ``pixel_tol=0`` where both runs compute the same numbers."""
+    (report_a, frames_a, latents_a), (report_b, frames_b, latents_b) = a, b
+    latent_diff = (latents_a - latents_b).abs().max().item()
+    scale = latents_b.abs().max().item()
+    pixel_diff = abs(frames_a.astype(int) - frames_b.astype(int))
+    print(f"\n{name}: latents max |diff| {latent_diff:.3g} (largest latent {scale:.3g}, relative {latent_diff / scale:.2g}); "
+          f"8-bit frames: max |diff| {pixel_diff.max()} levels, {(pixel_diff > 0).sum()} of {pixel_diff.size} values "
+          f"differ; decisions {report_a['decisions']}")
+    assert report_a["decisions"] == report_b["decisions"]
+    assert report_a["draft_scores"] == pytest.approx(report_b["draft_scores"], abs=1e-4)
+    assert latent_diff <= relative_tol * scale, f"{name}: latents differ by {latent_diff} (largest {scale})"
+    assert pixel_diff.max() <= pixel_tol, f"{name}: frames differ by up to {pixel_diff.max()} levels"
+
+
+@pytest.mark.parametrize("name", ["sdvg_native_model", "sdvg_native_gguf"])
+def test_native_workflows_run_with_a_lora(server, name):
+    """The shipped native workflows (Load Diffusion Model / Unet Loader (GGUF) -> LoraLoaderModelOnly -> SDVG ... from
+    MODEL) make a video with the tiny LoRAs, the drafter and the target both used."""
+    prompt = gguf_here(native_prompt(name, seed=13, mode="sdvg"))
+    assert {lora_node(prompt, r)["class_type"] for r in ("drafter", "target")} == {"LoraLoaderModelOnly"}
+    entry = server.wait(server.queue(prompt))
+    report = _check_outputs(server, prompt, entry, "sdvg")
+    assert report["blocks"][0]["source"] == "target" and all(b["drafted"] for b in report["blocks"][1:])
+    assert report["models"]["target"]["context_scheme"] == "recompute_window"
+
+
+def test_model_path_equals_the_packs_loader(server):
+    """UNETLoader + SDVG Drafter/Target from MODEL on the exported files == the pack's own loaders on the same files
+    (fp32): the same decisions and scores, latents within 1e-6 of their size (measured 4e-7: 6.7e-6 on 16.6), frames
+    within one 8-bit level (12 of 152k values differ by one)."""
+    model = run_outputs(server, save_latent(model_path_prompt(seed=17, mode="sdvg")), "sdvg")
+    pack = run_outputs(server, save_latent(pack_loader_prompt(seed=17, mode="sdvg")), "sdvg")
+    _compare("MODEL path vs the pack's loaders", model, pack, relative_tol=1e-6, pixel_tol=1)
+
+
+def test_lora_equals_the_offline_merged_weights(server):
+    """LoraLoaderModelOnly on the target == the pack's loader on the target with the LoRA merged into the file."""
+    prompt = model_path_prompt(lora=True, seed=19, mode="target_only")
+    lora_node(prompt, "target")["inputs"]["strength_model"] = 1.0
+    with_lora = run_outputs(server, save_latent(prompt), "target_only")
+    merged = run_outputs(server, save_latent(pack_loader_prompt(target_file=MERGED_TARGET, seed=19, mode="target_only")),
+                         "target_only")
+    _compare("LoRA patch vs offline merge", with_lora, merged, relative_tol=1e-6, pixel_tol=1)
+    plain = run_outputs(server, save_latent(model_path_prompt(seed=19, mode="target_only")), "target_only")
+    assert (plain[2] - with_lora[2]).abs().max().item() > 1e-2, "the tiny LoRA changes nothing: the test could not fail"
+
+
+def test_lora_strength_change_does_not_replay(server):
+    """A new LoRA strength is a new model: nothing replays and the video changes; with the LoRA unchanged, a tau-only
+    change replays again (the MODEL's replay key is stable)."""
+    prompt = native_prompt(seed=29, mode="sdvg")
+    router, target_lora = node_id(prompt, "SDVGRewardRouter"), lora_node(prompt, "target")
+    lora_id = prompt[node_id(prompt, "SDVGTargetFromModel")]["inputs"]["model"][0]
+
+    def run(strength, tau):
+        target_lora["inputs"]["strength_model"] = strength
+        prompt[router]["inputs"]["tau"] = tau
+        entry = server.wait(server.queue(prompt))
+        report = _check_outputs(server, prompt, entry, "sdvg")
+        video = entry["outputs"][node_id(prompt, "SaveVideo")]["images"][0]
+        return entry, report, decoded_frames(server.output / video["subfolder"] / video["filename"])
+
+    _, first, first_video = run(1.0, -5.0)
+    entry, second, second_video = run(0.5, -5.0)
+    cached = {n for m in messages(entry, "execution_cached") for n in m["nodes"]}
+    assert {k for k, v in prompt.items() if v["class_type"] == "UNETLoader"} <= cached and lora_id not in cached
+    assert second["replay"]["replayed_blocks"] == 0, second["replay"]
+    assert second_video != first_video, "a LoRA strength change left the video unchanged"
+    _, third, _ = run(0.5, 5.0)  # tau only
+    assert third["replay"]["replayed_blocks"] == 1, third["replay"]  # block 0 is the target's either way
+
+
+def test_cancel_stops_a_model_backed_run(server):
+    prompt = native_prompt(seed=37, mode="target_only")
+    prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["length"] = 81
+    entry = interrupted_run(server, prompt, after_s=1.0)
+    assert entry["status"]["status_str"] == "error" and messages(entry, "execution_interrupted"), entry["status"]
+    again = server.wait(server.queue(native_prompt(seed=38, mode="draft_only")))
+    assert again["status"]["status_str"] == "success", json.dumps(again["status"])[:3000]
+
+
+def gguf_here(prompt: dict) -> dict:
+    """``prompt`` with its Unet Loader (GGUF) usable on this server: as it is with ComfyUI-GGUF; where that pack is
+    missing but core reads GGUF files itself (the LTS fork), Load Diffusion Model on the same file takes its place."""
+    for nid, node in prompt.items():
+        if node["class_type"] == "UnetLoaderGGUF":
+            assert node["inputs"]["unet_name"] == GGUF_TARGET
+            if not HAS_GGUF:
+                if not IS_LTS:
+                    require_gguf()
+                prompt[nid] = {"class_type": "UNETLoader", "inputs": {"unet_name": GGUF_TARGET, "weight_dtype": "default"}}
+    return prompt
+
+
+def gguf_prompt(**sampler_inputs) -> dict:
+    """sdvg_native_gguf at the small size, without LoRAs, fp32 and auto KV (as model_path_prompt)."""
+    return gguf_here(model_path_prompt("sdvg_native_gguf", **sampler_inputs))
+
+
+def test_gguf_q8_0_equals_its_dequantised_reference(server):
+    """The Q8_0 GGUF (Unet Loader (GGUF) from ComfyUI-GGUF; in the LTS fork core's own GGUF loading) == Load Diffusion
+    Model on the same tensors dequantised as ComfyUI-GGUF does (e2e_fixtures.write_q8_0_gguf): identical latents and
+    frames. (Against a plain fp32 dequantisation the latents differ by 0.0097 on 15.4: ComfyUI-GGUF's fp16 product.)"""
+    gguf = gguf_prompt(seed=43, mode="target_only")
+    reference = json.loads(json.dumps(gguf))
+    loader = next(k for k, v in reference.items() if v["inputs"].get("unet_name") == GGUF_TARGET)
+    reference[loader] = {"class_type": "UNETLoader", "inputs": {"unet_name": GGUF_REFERENCE, "weight_dtype": "default"}}
+    _compare("GGUF Q8_0 vs its dequantised reference", run_outputs(server, save_latent(gguf), "target_only"),
+             run_outputs(server, save_latent(reference), "target_only"), relative_tol=0.0, pixel_tol=0)
+
+
+def prompt_value(prompt: dict, class_type: str, name: str):
+    return prompt[node_id(prompt, class_type)]["inputs"][name]
 
 
 # ------------------------------------------------------------------------------------------------ the real frontend

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from workflow_checks import CORE, FRONTEND_ONLY, ROOT, SPECS, check_api_workflow, check_ui_workflow, ui_to_api
+from workflow_checks import (CORE, FRONTEND_ONLY, OTHER_PACKS, ROOT, SPECS, check_api_workflow, check_ui_workflow,
+                             ui_to_api)
 from nodes import schema
 
 UI_DIR = ROOT / "workflows"
@@ -32,7 +33,7 @@ def load(path: Path) -> dict:
 def test_the_expected_workflows_ship():
     names = {p.stem for p in UI_FILES}
     assert names == {"sdvg_text_to_video", "sdvg_text_to_video_16gb", "sdvg_text_to_video_48gb",
-                     "sdvg_compare_vs_target", "sdvg_prompt_embeddings"}
+                     "sdvg_compare_vs_target", "sdvg_prompt_embeddings", "sdvg_native_model", "sdvg_native_gguf"}
     assert names == {p.stem for p in API_FILES}, "every UI workflow needs its API-format copy (and vice versa)"
 
 
@@ -43,6 +44,8 @@ def test_ui_workflow_matches_the_schemas(path):
     uuid.UUID(wf["id"])  # the frontend's schema rejects a workflow whose id is not a UUID
     assert check_ui_workflow(wf) == []
     assert {n["type"] for n in wf["nodes"]} <= set(SPECS) | set(FRONTEND_ONLY), "only core, SDVG and Note nodes"
+    other_packs = {n["type"] for n in wf["nodes"]} & set(OTHER_PACKS)
+    assert other_packs <= ({"UnetLoaderGGUF"} if path.stem == "sdvg_native_gguf" else set()), other_packs
 
 
 @pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
@@ -154,6 +157,8 @@ FROZEN_WIDGETS = {
     "SDVGLoadPromptEmbeddings": ["embeddings_file", "index"],
     "SDVGAdvancedOptions": ["refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay",
                             "schedule_every", "schedule_veto"],
+    "SDVGDrafterFromModel": ["context_scheme", "kv_dtype"],
+    "SDVGTargetFromModel": ["context_scheme", "kv_dtype"],
 }
 
 
@@ -264,7 +269,7 @@ def test_core_schemas_are_minimal_and_sdvg_free():
 
 
 @pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_16gb", "sdvg_text_to_video_48gb",
-                                  "sdvg_compare_vs_target"])
+                                  "sdvg_compare_vs_target", "sdvg_native_model", "sdvg_native_gguf"])
 def test_the_prompt_is_typed_once(name):
     """One text node feeds both the text encoder and the reward prompt, in the UI and API files alike."""
     ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
@@ -324,7 +329,10 @@ def test_a_workflow_saved_by_the_previous_release_loads_with_identical_values(pa
 #: card size of each text-to-video workflow, and the loader settings the memory plan gives it (card wins; the
 #: widgets show the same values so the node tells the truth when card is switched to manual)
 CARD_OF = {"sdvg_text_to_video": "24 GB", "sdvg_text_to_video_16gb": "16 GB", "sdvg_text_to_video_48gb": "48 GB",
-           "sdvg_compare_vs_target": "24 GB", "sdvg_prompt_embeddings": "24 GB"}
+           "sdvg_compare_vs_target": "24 GB", "sdvg_prompt_embeddings": "24 GB", "sdvg_native_model": "24 GB",
+           "sdvg_native_gguf": "24 GB"}
+#: the ComfyUI-native workflows: ComfyUI's loaders, LoRAs, then the SDVG "from MODEL" nodes
+NATIVE = ("sdvg_native_model", "sdvg_native_gguf")
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
@@ -336,6 +344,21 @@ def test_workflows_fit_their_card_by_the_memory_plan(path):
     plan = plan_memory(float(card.split()[0]))
     assert plan.fits and plan.total_gib <= float(card.split()[0])
     api = load(API_DIR / path.name)
+    if path.stem in NATIVE:  # ComfyUI's memory manager places the weights; the KV caches follow the plan
+        for role, class_type in (("drafter", "SDVGDrafterFromModel"), ("target", "SDVGTargetFromModel")):
+            sdvg = next(n for n in api.values() if n["class_type"] == class_type)
+            assert sdvg["inputs"]["kv_dtype"] == logic.card_settings(card, role)["kv_dtype"], role
+            lora = api[sdvg["inputs"]["model"][0]]
+            assert lora["class_type"] == "LoraLoaderModelOnly" and lora["inputs"]["strength_model"] == 1.0
+            loader = api[lora["inputs"]["model"][0]]
+            if role == "drafter":
+                assert loader["inputs"] == {"unet_name": "self_forcing_dmd_comfy.safetensors", "weight_dtype": "default"}
+            elif path.stem == "sdvg_native_gguf":
+                assert loader["class_type"] == "UnetLoaderGGUF" and loader["inputs"]["unet_name"].endswith("Q8_0.gguf")
+            else:  # the plan's fp8 target, as Load Diffusion Model stores it
+                assert logic.card_settings(card, role)["dtype"] == "fp8"
+                assert loader["inputs"] == {"unet_name": "krea-realtime-video-14b.safetensors", "weight_dtype": "fp8_e4m3fn"}
+        return
     for role, class_type in (("drafter", "SDVGLoadDrafter"), ("target", "SDVGLoadTarget")):
         inputs = next(n["inputs"] for n in api.values() if n["class_type"] == class_type)
         assert inputs["card"] == card

@@ -3,8 +3,8 @@
 Our nodes' schemas come from ``nodes.schema`` (what the V3 classes are built from). The core nodes the
 shipped workflows use get a minimal hand-written schema here, copied from ComfyUI's source
 (Comfy-Org/ComfyUI a125cd84, v0.3.64: nodes.py, comfy_extras/nodes_video.py, nodes_images.py,
-nodes_mask.py, nodes_preview_any.py); the end-to-end test compares them with a live server's
-``/object_info``.
+nodes_mask.py, nodes_preview_any.py), and ComfyUI-GGUF's loader (city96/ComfyUI-GGUF nodes.py) for the GGUF
+workflow; the end-to-end test compares them with a live server's ``/object_info``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 from nodes import schema  # noqa: E402
 from nodes.schema import InputSpec as I, NodeSpec, OutputSpec as O  # noqa: E402
 
-MODEL_EXTENSIONS = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".safetensors", ".pkl", ".sft")
+MODEL_EXTENSIONS = (".ckpt", ".pt", ".pt2", ".bin", ".pth", ".safetensors", ".pkl", ".sft", ".gguf")
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 
 
@@ -50,9 +50,20 @@ CORE = {s.node_id: s for s in (
     _core("PreviewAny", [I("source", "*", "")], output_node=True),
     # comfy_extras/nodes_primitive.py (StringMultiline): one text typed once, linked to CLIPTextEncode and the sampler.
     _core("PrimitiveStringMultiline", [I("value", "STRING", "", multiline=True)], ["STRING"]),
+    # nodes.py: Load Diffusion Model and the model-only LoRA loader (the ComfyUI-native workflows)
+    _core("UNETLoader", [I("unet_name", "COMBO", "", options_from=("files", "diffusion_models")),
+                         I("weight_dtype", "COMBO", "", options=("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"))],
+          ["MODEL"]),
+    _core("LoraLoaderModelOnly", [I("model", "MODEL", ""), I("lora_name", "COMBO", "", options_from=("files", "loras")),
+                                  I("strength_model", "FLOAT", "", default=1.0, min=-100.0, max=100.0, step=0.01)],
+          ["MODEL"]),
+)}
+#: Custom nodes of other packs that a shipped workflow uses (the server has them only where that pack is installed).
+OTHER_PACKS = {s.node_id: s for s in (
+    _core("UnetLoaderGGUF", [I("unet_name", "COMBO", "", options_from=("files", "unet_gguf"))], ["MODEL"]),
 )}
 
-SPECS: dict[str, NodeSpec] = {**CORE, **schema.BY_ID}
+SPECS: dict[str, NodeSpec] = {**CORE, **OTHER_PACKS, **schema.BY_ID}
 #: Nodes of the frontend alone (no server class, never in an API prompt): the shipped workflows' notes.
 FRONTEND_ONLY = ("Note", "MarkdownNote")
 
