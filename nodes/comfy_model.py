@@ -29,7 +29,7 @@ import hashlib
 import torch
 
 __all__ = ["wan_source", "model_view", "patcher_identity", "compute_dtype_of", "ComfyAttention", "describe_model",
-           "dtype_name", "tensor_fingerprint"]
+           "dtype_name", "stored_as", "tensor_fingerprint"]
 
 #: ComfyUI's Wan2.1 DiT classes whose forward inputs SDVG's causal forward covers (newer cores have the causal one).
 WAN_CLASSES = ("WanModel", "CausalWanModel")
@@ -164,17 +164,30 @@ def dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
+def stored_as(t: torch.Tensor) -> str:
+    """How one weight is stored: its GGUF type (ComfyUI-GGUF's ``GGMLTensor.tensor_type``), its quantisation layout
+    (the LTS fork's ``QuantizedTensor``, whose ``dtype`` is the compute dtype), or its dtype."""
+    gguf = getattr(t, "tensor_type", None)
+    if gguf is not None:
+        return str(getattr(gguf, "name", gguf))
+    layout = getattr(t, "_layout_cls", None)
+    if layout is not None:
+        return getattr(layout, "__name__", str(layout))
+    return dtype_name(t.dtype)
+
+
 def describe_model(view, patcher) -> dict:
     """The report's lines for a MODEL-backed model: compute dtype, how its weights are stored, the attention used for
     unmasked calls, how many weights carry patches (LoRA), whether ComfyUI loaded it partially (low VRAM)."""
-    storage = sorted({str(getattr(p, "tensor_type", "") or dtype_name(p.dtype)) for p in view.source.parameters()})
+    storage = sorted({stored_as(p) for p in view.source.parameters()})
     attention = view.runtime.attention
     out = {"compute_dtype": dtype_name(view.compute_dtype), "weights": "/".join(storage),
            "attention": getattr(attention, "name", _callable_name(attention)),
            "patched_weights": len(patcher.patches)}
     if getattr(view, "kv_cache_dtype", None) == torch.float8_e4m3fn:
         out["kv_dtype"] = "fp8"
-    lowvram = getattr(getattr(patcher, "model", None), "model_lowvram", None)
+    # 0.3.64 keeps the flag on the model, the LTS fork on the patcher's memory measurements
+    lowvram = getattr(getattr(patcher, "_memory_measurements", getattr(patcher, "model", None)), "model_lowvram", None)
     if lowvram is not None:
         out["partially_loaded"] = bool(lowvram)
     return out
@@ -232,7 +245,7 @@ def _describe(value, depth: int = 0):
 def _storage(source: torch.nn.Module) -> str:
     """One hash of how the weights are stored: every parameter's and buffer's name, shape, dtype and GGUF type, and
     the op classes (scaled-fp8 / fp8-matmul / GGUF ops compute differently from plain casts)."""
-    rows = [(n, tuple(t.shape), str(t.dtype), str(getattr(t, "tensor_type", "")))
+    rows = [(n, tuple(t.shape), str(t.dtype), stored_as(t), type(t).__qualname__)
             for n, t in list(source.named_parameters()) + list(source.named_buffers())]
     ops = sorted({_found(m) for m in source.modules()})
     return hashlib.sha1(repr((rows, ops)).encode()).hexdigest()

@@ -43,11 +43,23 @@ import comfy.model_patcher  # noqa: E402
 import comfy.sd  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+try:
+    import folder_paths  # noqa: E402,F401  (upstream: a top-level module of the checkout)
+except ImportError:  # the LTS fork: comfy.cmd.folder_paths, which its custom-node loader aliases the same way
+    from comfy.cmd import folder_paths  # noqa: E402
+
+    sys.modules["folder_paths"] = folder_paths
+
 from nodes import comfy_model, comfy_nodes, logic  # noqa: E402
 from node_fixtures import FakeComfyVAE  # noqa: E402
 from sdvg_engine.comfy_bridge import ModuleHolder  # noqa: E402
 from sdvg_engine.replay_key import weights_fingerprint  # noqa: E402
 from wan_fixtures import text_context, tiny_wan, write_checkpoint, write_scaled_fp8  # noqa: E402
+
+try:  # the LTS fork keeps the interrupt flag in comfy.interruption (its model_management wrapper returns nothing)
+    from comfy.interruption import InterruptProcessingException, processing_interrupted  # noqa: E402
+except ImportError:  # 0.3.64
+    InterruptProcessingException, processing_interrupted = mm.InterruptProcessingException, mm.processing_interrupted
 
 if mm.get_torch_device().type != "cpu":
     pytest.skip("comfy.model_management was imported before this module without --cpu", allow_module_level=True)
@@ -144,16 +156,27 @@ def merged(state: dict, lora: dict, strength: float) -> dict:
     return out
 
 
+#: per-tensor scale keys of scaled-fp8 weights: 0.3.64 (scaled_fp8 ops) / the LTS fork (QuantizedTensor layouts)
+SCALE_KEYS = ("scale_weight", "weight_scale")
+
+
 def dequantised(source: torch.nn.Module) -> dict:
     """The weights a ComfyUI DiT holds, in float32: fp8 values widened, scaled-fp8 ones times their scale."""
     state = source.state_dict()
     out = {}
     for key, value in state.items():
-        if key.endswith((".scale_weight", ".scale_input")):
+        if key.rsplit(".", 1)[-1] in SCALE_KEYS + ("scale_input", "input_scale", "comfy_quant"):
             continue
-        scale = state.get(key[:-len("weight")] + "scale_weight") if key.endswith(".weight") else None
+        scales = [state.get(f"{key[:-len('weight')]}{name}") for name in SCALE_KEYS] if key.endswith(".weight") else []
+        scale = next((s for s in scales if s is not None), None)
         out[key] = value.float() * (scale.float() if scale is not None else 1.0)
     return out
+
+
+def lowvram(patcher) -> bool:
+    """Whether ComfyUI loaded the MODEL partially (0.3.64 keeps the flag on the model, the LTS fork on the patcher's
+    memory measurements)."""
+    return getattr(patcher, "_memory_measurements", patcher.model).model_lowvram
 
 
 def latents_error(a, b) -> float:
@@ -245,7 +268,7 @@ def test_a_lora_equals_its_offline_merge_and_leaves_the_base_weights(files, vae,
     assert latents_error(out, plain) > 1e-3  # the LoRA changes the video
     source = patched.get_model_object("diffusion_model")
     if load == "lowvram":
-        assert patched.model.model_lowvram
+        assert lowvram(patched)
         assert type(source.blocks[0].self_attn.q.weight_function[0]).__name__ == "LowVramPatch"
         # applied per call: the parameters stayed the base weights all along
         assert all(torch.equal(v, base_state[k]) for k, v in source.state_dict().items())
@@ -266,13 +289,14 @@ def test_fp8_weights_equal_their_dequantised_reference(files, vae, comfy_vae, tm
         patcher = unet(write_scaled_fp8(tiny_wan(seed=1), tmp_path / "wan_fp8_scaled.safetensors",
                                         marker=PREFIX + "scaled_fp8"))
     source = patcher.get_model_object("diffusion_model")
-    assert source.blocks[0].self_attn.q.weight.dtype == torch.float8_e4m3fn
-    assert hasattr(source.blocks[0].self_attn.q, "scale_weight") == (kind == "fp8_scaled")
+    state = source.state_dict()
+    assert state["blocks.0.self_attn.q.weight"].dtype == torch.float8_e4m3fn
+    assert any(f"blocks.0.self_attn.q.{name}" in state for name in SCALE_KEYS) == (kind == "fp8_scaled")
     reference = pack_model(write_original(dequantised(source), tmp_path / "dequantised.safetensors"), "drafter")
     expected = sample(reference, None, logic.Services(), vae, mode="draft_only")
     model = logic.load_model_from_comfy(patcher, role="drafter")
     out = sample(model, None, comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only")
-    assert "fp8_e4m3fn" in model.describe()["weights"]
+    assert "fp8" in model.describe()["weights"].lower()
     assert latents_error(out, expected) <= 1e-4
     mm.unload_all_models()
 
@@ -312,10 +336,10 @@ def test_cancel_stops_a_model_backed_run_and_the_flag_clears(files, comfy_vae):
                 mm.interrupt_current_processing(True)  # the Cancel button
 
     model = logic.load_model_from_comfy(unet(files["drafter"]), role="drafter")
-    with pytest.raises(mm.InterruptProcessingException):
+    with pytest.raises(InterruptProcessingException):
         sample(model, None, CancelAfterTheFirstBlock(), comfy_vae, mode="draft_only")
     assert CancelAfterTheFirstBlock.done == [0, 1]
-    assert not mm.processing_interrupted()
+    assert processing_interrupted() is False
     assert sample(model, None, comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only").frames.shape[0] == FRAMES
 
 
@@ -329,7 +353,7 @@ def test_the_packs_own_models_load_whole_under_a_partial_budget():
     assert plain.loaded_size() < plain.model_size()
     whole = comfy_nodes.ComfyServices().wrap(ModuleHolder(tiny_wan(seed=3)), CPU, CPU)
     whole.patch_model(device_to=CPU, lowvram_model_memory=1)
-    assert whole.loaded_size() == whole.model_size() and not whole.model.model_lowvram
+    assert whole.loaded_size() == whole.model_size() and not lowvram(whole)
     assert whole.partially_unload(CPU, memory_to_free=1) == 0
 
 
