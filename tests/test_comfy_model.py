@@ -114,8 +114,9 @@ def pack_model(path, role):
 
 
 def sample(drafter, target, services, vae, mode="first_block_only", **kw):
+    kw.setdefault("replay", False)
     return logic.run_sampler(drafter=drafter, target=target, router=None, positive=POSITIVE, vae=vae, width=W, height=H,
-                             length=FRAMES, seed=3, mode=mode, replay=False, services=services, **kw)
+                             length=FRAMES, seed=3, mode=mode, services=services, **kw)
 
 
 def original_state(path) -> dict:
@@ -381,3 +382,47 @@ def test_the_view_is_a_comfy_model_view(files):
     assert sdvg_model.context_scheme == "global_cache" and sdvg_model.requested_context_scheme == "auto"
     assert logic.load_model_from_comfy(patcher, role="target", context_scheme="recompute_window").context_scheme == \
         "recompute_window"
+
+
+# ------------------------------------------------------------------------------------------------------------- GGUF
+def _comfyui_gguf():
+    """ComfyUI-GGUF (city96) from this ComfyUI's custom_nodes, imported as its loader imports it (a package)."""
+    import importlib.util
+
+    folder = Path(COMFYUI_PATH) / "custom_nodes" / "ComfyUI-GGUF"
+    if not (folder / "__init__.py").is_file():
+        pytest.skip(f"ComfyUI-GGUF is not in {folder.parent} (make e2e installs it for the GGUF workflow)")
+    pytest.importorskip("gguf")
+    if "ComfyUI_GGUF" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("ComfyUI_GGUF", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["ComfyUI_GGUF"] = package
+        spec.loader.exec_module(package)
+    import ComfyUI_GGUF.loader
+    import ComfyUI_GGUF.nodes
+    import ComfyUI_GGUF.ops
+
+    return ComfyUI_GGUF
+
+
+def test_a_gguf_q8_0_model_equals_its_dequantised_reference(files, vae, comfy_vae, tmp_path):
+    """Unet Loader (GGUF)'s MODEL (ComfyUI-GGUF's GGMLOps dequantise per call): equal to the pack's loader on the
+    dequantised weights, through the replay key's fingerprints of GGUF tensors."""
+    gguf_nodes = _comfyui_gguf()
+    from e2e_fixtures import write_q8_0_gguf
+
+    counts = write_q8_0_gguf(files["drafter"], tmp_path / "wan.gguf", tmp_path / "dequantised.safetensors")
+    assert counts["Q8_0"] > 0
+    ops = gguf_nodes.ops.GGMLOps()
+    ops.Linear.dequant_dtype = ops.Linear.patch_dtype = None  # the loader node's "default"
+    loaded = comfy.sd.load_diffusion_model_state_dict(gguf_nodes.loader.gguf_sd_loader(str(tmp_path / "wan.gguf")),
+                                                      model_options={"custom_operations": ops})
+    patcher = gguf_nodes.nodes.GGUFModelPatcher.clone(loaded)
+    model = logic.load_model_from_comfy(patcher, role="drafter")
+    assert "Q8_0" in model.describe()["weights"]
+    expected = sample(pack_model(tmp_path / "dequantised.safetensors", "drafter"), None, logic.Services(), vae,
+                      mode="draft_only")
+    out = sample(model, None, comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only", replay=True)
+    assert latents_error(out, expected) <= 1e-4
+    mm.unload_all_models()
