@@ -29,7 +29,7 @@ import hashlib
 import torch
 
 __all__ = ["wan_source", "model_view", "patcher_identity", "compute_dtype_of", "ComfyAttention", "describe_model",
-           "dtype_name", "stored_as", "tensor_fingerprint"]
+           "dtype_name", "not_applied", "stored_as", "tensor_fingerprint"]
 
 #: ComfyUI's Wan2.1 DiT classes whose forward inputs SDVG's causal forward covers (newer cores have the causal one).
 WAN_CLASSES = ("WanModel", "CausalWanModel")
@@ -176,6 +176,21 @@ def stored_as(t: torch.Tensor) -> str:
     return dtype_name(t.dtype)
 
 
+def not_applied(patcher) -> list[str]:
+    """What the MODEL carries for ComfyUI's own forward and sampler that SDVG's block forward does not run: model
+    function wrappers, transformer patches (attn1/attn2 patches and replacements, block patches), patcher wrappers.
+    Weight patches (LoRA), object patches and the attention override do apply."""
+    options = getattr(patcher, "model_options", {}) or {}
+    skipped = ["model_function_wrapper"] if options.get("model_function_wrapper") is not None else []
+    transformer = options.get("transformer_options", {}) or {}
+    for group in ("patches", "patches_replace"):
+        skipped += [f"{group}.{name}" for name, entries in (transformer.get(group) or {}).items() if entries]
+    for kind, by_key in (getattr(patcher, "wrappers", {}) or {}).items():
+        if any(by_key.values()):
+            skipped.append(f"wrappers.{kind}")
+    return sorted(skipped)
+
+
 def describe_model(view, patcher) -> dict:
     """The report's lines for a MODEL-backed model: compute dtype, how its weights are stored, the attention used for
     unmasked calls, how many weights carry patches (LoRA), whether ComfyUI loaded it partially (low VRAM)."""
@@ -186,6 +201,9 @@ def describe_model(view, patcher) -> dict:
            "patched_weights": len(patcher.patches)}
     if getattr(view, "kv_cache_dtype", None) == torch.float8_e4m3fn:
         out["kv_dtype"] = "fp8"
+    skipped = not_applied(patcher)
+    if skipped:
+        out["not_applied"] = skipped
     # 0.3.64 keeps the flag on the model, the LTS fork on the patcher's memory measurements
     lowvram = getattr(getattr(patcher, "_memory_measurements", getattr(patcher, "model", None)), "model_lowvram", None)
     if lowvram is not None:

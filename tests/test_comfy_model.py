@@ -382,6 +382,11 @@ def test_the_view_is_a_comfy_model_view(files):
     assert sdvg_model.context_scheme == "global_cache" and sdvg_model.requested_context_scheme == "auto"
     assert logic.load_model_from_comfy(patcher, role="target", context_scheme="recompute_window").context_scheme == \
         "recompute_window"
+    # What ComfyUI's own forward would run and SDVG's does not is named in the report, never silently dropped.
+    assert "not_applied" not in sdvg_model.describe()
+    patched = patcher.clone()
+    patched.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+    assert logic.load_model_from_comfy(patched, role="target").describe()["not_applied"] == ["patches.attn1_patch"]
 
 
 # ------------------------------------------------------------------------------------------------------------- GGUF
