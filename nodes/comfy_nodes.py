@@ -1,12 +1,11 @@
 """ComfyUI V3 node classes of SDVG: thin wrappers built from ``schema`` around ``logic``.
 
-Only this module (and the pack's root ``__init__.py``) imports ComfyUI. Registration is through
-``comfy_entrypoint`` alone (a module-level NODE_CLASS_MAPPINGS would make ComfyUI skip it).
+Only this module, the pack's root ``__init__.py`` and the functions of ``comfy_model`` that adapt a MODEL (lazily,
+when they run) import ComfyUI. Registration is through ``comfy_entrypoint`` alone (a module-level
+NODE_CLASS_MAPPINGS would make ComfyUI skip it).
 """
 
 from __future__ import annotations
-
-import os
 
 import comfy.model_management as model_management
 import comfy.model_patcher

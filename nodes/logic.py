@@ -640,8 +640,8 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
         raise ValueError(f"mode {mode!r} needs the {' and the '.join(missing)}")
     used = [m for m in (drafter, target) if m is not None]
     drafter_model, target_model = drafter or target, target or drafter
-    running = list(dict.fromkeys(m for m, runs in ((drafter_model, needs.uses_drafter), (target_model, needs.uses_target))
-                                 if runs))
+    running = list(dict.fromkeys(m for m, runs in ((drafter_model, needs.uses_drafter),
+                                                   (target_model, needs.uses_target)) if runs))
     check_comfy_models(running)
     # A MODEL's ops cast (and on low-VRAM loads patch and move) its weights per call through ComfyUI's shared state;
     # a second worker thread would race that, so a run with a MODEL-backed model is one lane.
@@ -747,7 +747,8 @@ def run_memory_required(pipe, options: SDVGOptions, width: int, height: int, str
     from sdvg_engine.offload import run_memory_components
 
     models = []
-    for role, gen, runs in (("drafter", pipe.drafter, options.uses_drafter), ("target", pipe.target, options.uses_target)):
+    for role, gen, runs in (("drafter", pipe.drafter, options.uses_drafter),
+                            ("target", pipe.target, options.uses_target)):
         if not runs:
             continue
         model = gen.model

@@ -1,4 +1,4 @@
-"""The ComfyUI MODEL path (SDVG Drafter / Target from MODEL, ``nodes/comfy_model.py``) inside a real ComfyUI, in process.
+"""The ComfyUI MODEL path (SDVG Drafter / Target from MODEL, ``nodes/comfy_model.py``) in a real ComfyUI, in process.
 
 Tiny Wan2.1 DiTs (width 256, 2 heads, 2 layers, text width 4096: what ComfyUI's detection recognises) are written in
 ComfyUI's ``diffusion_models`` layout and loaded the way Load Diffusion Model (``UNETLoader``) does
@@ -317,7 +317,8 @@ def test_the_replay_identity_follows_lora_strength_and_quantisation(files):
     a = with_lora(lora_a, 1.0)
     identities = {"a": a.sdvg_identity(), "a again": with_lora(lora_a, 1.0).sdvg_identity(),
                   "a at 0.5": with_lora(lora_a, 0.5).sdvg_identity(), "b": with_lora(lora_b, 1.0).sdvg_identity(),
-                  "no lora": view(base).sdvg_identity(), "fp8": view(unet(files["drafter"], torch.float8_e4m3fn)).sdvg_identity()}
+                  "no lora": view(base).sdvg_identity(),
+                  "fp8": view(unet(files["drafter"], torch.float8_e4m3fn)).sdvg_identity()}
     assert identities["a"] == identities["a again"]  # a LoRA loader run again with the same file and strength
     distinct = [identities[k] for k in ("a", "a at 0.5", "b", "no lora", "fp8")]
     assert len(set(distinct)) == len(distinct)

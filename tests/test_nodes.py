@@ -625,7 +625,8 @@ def test_the_from_model_nodes_are_registered_after_the_others():
         assert all(word in tooltip for word in ("LoRA", "fp8", "GGUF", "attention", "one worker lane"))
     assert schema.SAMPLER.input("drafter").type == schema.SAMPLER.input("target").type == schema.SDVG_MODEL
     tree = ast.parse((Path(__file__).resolve().parents[1] / "nodes" / "comfy_nodes.py").read_text())
-    listed = next(n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "NODE_CLASSES")
+    listed = next(n.value for n in tree.body
+                  if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "NODE_CLASSES")
     assert [e.id for e in listed.elts] == ids
 
 
