@@ -432,3 +432,25 @@ def test_a_gguf_q8_0_model_equals_its_dequantised_reference(files, vae, comfy_va
     out = sample(model, None, comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only", replay=True)
     assert latents_error(out, expected) <= 1e-4
     mm.unload_all_models()
+
+
+def test_the_14b_follows_krea_and_the_1_3b_self_forcing():
+    """context_scheme auto follows the model as the file loaders do: ComfyUI's WanModel at the 14B's width (5120,
+    40 heads, built on the meta device: no memory) is Krea's target (recompute window, 5-call schedule), the 1.3B's
+    (1536) Self-Forcing's drafter (global cache, 4 calls)."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    for dim, heads, ffn, layers, architecture, scheme, schedule in (
+            (5120, 40, 13824, 40, "Wan2.1-T2V-14B", "recompute_window", "krea"),
+            (1536, 12, 8960, 30, "Wan2.1-T2V-1.3B", "global_cache", "self_forcing")):
+        wan = comfy.ldm.wan.model.WanModel(dim=dim, num_heads=heads, ffn_dim=ffn, num_layers=layers, device="meta",
+                                           dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
+        holder = ModuleHolder(torch.nn.Linear(1, 1))
+        holder.manual_cast_dtype = None
+        holder.get_dtype = lambda: torch.bfloat16
+        patcher = comfy.model_patcher.ModelPatcher(holder, load_device=CPU, offload_device=CPU)
+        patcher.add_object_patch("diffusion_model", wan)
+        model = logic.load_model_from_comfy(patcher, role="target")
+        assert (model.info.architecture, model.context_scheme, model.schedule) == (architecture, scheme, schedule)
+        assert model.model.compute_dtype == torch.bfloat16 and model.dtype == "bf16"
