@@ -454,3 +454,17 @@ def test_the_14b_follows_krea_and_the_1_3b_self_forcing():
         model = logic.load_model_from_comfy(patcher, role="target")
         assert (model.info.architecture, model.context_scheme, model.schedule) == (architecture, scheme, schedule)
         assert model.model.compute_dtype == torch.bfloat16 and model.dtype == "bf16"
+
+
+def test_two_clones_of_one_model_with_other_patches_are_refused(files, comfy_vae):
+    """One Load Diffusion Model feeding the drafter directly and the target through a LoRA: ComfyUI keeps one set of
+    patches per loaded model, so the run is refused before anything loads (the same MODEL for both is fine)."""
+    base = unet(files["drafter"])
+    lora = make_lora(original_state(files["drafter"]), seed=5)
+    drafter = logic.load_model_from_comfy(base, role="drafter")
+    target = logic.load_model_from_comfy(comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0], role="target")
+    with pytest.raises(ValueError, match=r"the drafter and the target are the same ComfyUI model with different "
+                                         r"patches .* Use two Load Diffusion Model nodes"):
+        sample(drafter, target, comfy_nodes.ComfyServices(), comfy_vae)
+    same = sample(drafter, logic.load_model_from_comfy(base, role="target"), comfy_nodes.ComfyServices(), comfy_vae)
+    assert same.frames.shape[0] == FRAMES
