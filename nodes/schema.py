@@ -276,7 +276,9 @@ ADVANCED_INPUTS = (
                       "another; 2: two threads. The output is identical." + _SAMPLER_DOCS,
               details="With the target on another GPU than the drafter, VAE and reward (the loaders' device "
                       "inputs), the target regenerates each block while its draft is verified, and decodes overlap "
-                      "the next block. Only the time differs."),
+                      "the next block. Only the time differs. A run with a drafter or target from MODEL (SDVG "
+                      "Drafter / Target from MODEL) uses one lane whatever this says: ComfyUI casts, patches and "
+                      "moves a MODEL's weights per call, which a second thread would race (the report says so)."),
     InputSpec("replay", "BOOLEAN", default=True, optional=True, advanced=True,
               tooltip="Reuse the previous run when only the router's tau settings changed (identical output)."
                       + _SAMPLER_DOCS,
