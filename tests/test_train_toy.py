@@ -76,6 +76,18 @@ def test_dit_losses_are_finite_and_first_block_only_needs_a_batch(train_toy, dra
         train_toy.main(["target", "--batch", "0"])
     with pytest.raises(SystemExit, match="--drafter-context is for the target"):
         train_toy.main(["drafter", "--drafter-context", "0.5"])
+    with pytest.raises(SystemExit, match="--rollout-share 0.5 needs --rollouts N"):
+        train_toy.main(["drafter", "--rollout-share", "0.5"])
+
+
+def test_runs_for_issue_29_leave_the_report_set_out(train_toy):
+    """The drafter's issue-29 run trains on design scenes only: the captions left out are exactly the tree tool's
+    held-out report set, and the target's rollouts cycle through the other scenes."""
+    from sdvg_engine.toy.tree import split_clips
+
+    held_out = train_toy.held_out_captions()
+    assert held_out == {caption for caption, _ in split_clips("report")} and len(held_out) == 40
+    assert not held_out & {caption for caption, _ in split_clips("design")}
 
 
 def test_grow_depth_starts_as_the_shallow_model(train_toy):

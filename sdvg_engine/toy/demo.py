@@ -12,7 +12,10 @@ scored as its exact expectation, no sampling noise). Writes to ``--out``:
 * ``acceptance_mask.png``: per prompt, the SDVG frames with a bar under each (green = accepted draft, red = target);
 * ``report.json``: every run (settings, quality, timings, acceptance), the tree verdict and the summary;
 * ``tree_cache/``: the prompts' decision trees (reused by the next run with the same weights and settings);
-* ``pareto.png``: quality vs measured speedup (target-only wall time / run wall time, summed over prompts).
+* ``pareto.png``: quality vs measured speedup (target-only wall time / run wall time, summed over prompts);
+* ``index.html``: the page to read: the baseline table beside the reference's, ``pareto_vs_reference.png`` (% of
+  target-only quality vs speedup, toy and reference on the same axes), the verdicts on the held-out clips and the
+  videos side by side (target-only, SDVG, draft-only). Every number on it is the report's (``data-key``).
 """
 
 from __future__ import annotations
@@ -182,7 +185,7 @@ def tree_verdict(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, preset:
 
     builder = TreeBuilder(models, preset=preset, num_frames=num_frames, weights_id=weights_hash(WEIGHTS))
     trees = [load_or_build(builder, cache, p, s, log=log) for p in prompts for s in seeds]
-    report = analyse(trees, grids={"fixed": [float(t) for t in taus]})
+    report = analyse(trees, grids={"fixed": [float(t) for t in taus]}, block_seconds=block_seconds)
     report["clips"] = [{"caption": t.caption, "seed": t.seed, "build_seconds": t.build_seconds} for t in trees]
     # the settings chosen on the design set (ROUTING_CHOICE), walked on the same trees; speed from block_seconds
     chosen = analyse(trees, grids={m: [v] for m, v in ROUTING_CHOICE.items()}, block_seconds=block_seconds)
@@ -344,6 +347,240 @@ def write_pareto(configs: dict, path: Path) -> None:
     img.save(path)
 
 
+def baselines_beside_reference(trees: dict) -> dict:
+    """The baseline table of the demo's own clips (from their trees), the shipped report-set table when it was made
+    with the weights loaded here (:data:`sdvg_engine.toy.baselines.BASELINES_FILE`), and the reference's."""
+    from .baselines import BASELINES_FILE, reference_table
+    from .models import WEIGHTS
+    from .tree import weights_hash
+
+    shipped = None
+    if BASELINES_FILE.exists():
+        data = json.loads(BASELINES_FILE.read_text())
+        if data.get("weights") == weights_hash(WEIGHTS):
+            shipped = data["table"]
+    return {"demo": trees.get("baselines"), "report_set": shipped, "reference": reference_table()}
+
+
+def pareto_points(report: dict) -> list[dict]:
+    """The points of the page's chart, toy and reference on the same axes (% of target-only quality, speedup): the
+    demo's measured configs (wall time on its workers), the settings chosen on the design set judged on the demo's
+    trees (cost model, one worker), and the reference's table (paper and repository)."""
+    from .baselines import REFERENCE
+
+    configs = {c["name"]: c for c in report["configs"]}
+    t = configs["target_only"]["quality"]
+    points = [{"source": "toy, measured", "name": c["name"], "quality_pct": 100 * c["quality"] / t if t > 0 else None,
+               "speedup": c["speedup"], "acceptance": c["acceptance"] if c["mode"] in ("sdvg", "first_block_only") else None}
+              for c in report["configs"]]
+    for mode, r in (report["findings"].get("chosen_on_design") or {}).items():
+        if r.get("speedup"):
+            points.append({"source": "toy, chosen on design (cost model)", "name": f"{mode} {_setting_text(r['setting'])}",
+                           "quality_pct": 100 * r["quality_ratio_to_target"], "speedup": r["speedup"],
+                           "acceptance": r["acceptance"]})
+    t_ref = REFERENCE["target_only"]["quality"]
+    for name, r in REFERENCE.items():
+        if r.get("speedup"):
+            points.append({"source": "reference", "name": name, "quality_pct": 100 * r["quality"] / t_ref,
+                           "speedup": r["speedup"], "acceptance": r.get("acceptance")})
+    return points
+
+
+def _setting_text(setting) -> str:
+    from .tree import format_setting
+
+    return format_setting(setting)
+
+
+def front(points: list[dict]) -> list[dict]:
+    """The points no other point beats on both quality and speedup, by speedup."""
+    pts = [p for p in points if p["quality_pct"] is not None and p["speedup"]]
+    keep = [p for p in pts if not any(o["quality_pct"] >= p["quality_pct"] and o["speedup"] >= p["speedup"]
+                                      and (o["quality_pct"] > p["quality_pct"] or o["speedup"] > p["speedup"]) for o in pts)]
+    return sorted(keep, key=lambda p: p["speedup"])
+
+
+PAGE_SOURCES = {"toy, measured": (40, 90, 220), "toy, chosen on design (cost model)": (20, 150, 150),
+                "reference": (200, 60, 40)}
+
+
+def write_pareto_vs_reference(points: list[dict], path: Path) -> None:
+    """% of target-only quality against speedup, toy and reference on the same axes, each source's front joined."""
+    from PIL import Image, ImageDraw
+
+    W, H, L, R, T, B = 760, 500, 70, 190, 40, 60
+    img = Image.new("RGB", (W, H), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    xs = [p["speedup"] for p in points if p["speedup"]]
+    ys = [p["quality_pct"] for p in points if p["quality_pct"] is not None]
+    x0, x1 = 0.0, max(4.0, max(xs) * 1.05)
+    y0, y1 = min(60.0, 5 * math.floor(min(ys) / 5)), max(105.0, 5 * math.ceil(max(ys) / 5))
+
+    def px(x, y):
+        return L + (x - x0) / (x1 - x0) * (W - L - R), H - B - (y - y0) / (y1 - y0) * (H - T - B)
+
+    d.rectangle([L, T, W - R, H - B], outline=(0, 0, 0))
+    for k in range(int(x1) + 1):
+        gx, _ = px(k, y0)
+        d.line([gx, H - B, gx, H - B + 4], fill=(0, 0, 0))
+        d.text((gx - 8, H - B + 6), f"{k}x", fill=(0, 0, 0))
+    for yv in range(int(y0), int(y1) + 1, 5):
+        _, gy = px(x0, yv)
+        d.line([L - 4, gy, L, gy], fill=(0, 0, 0))
+        d.text((L - 40, gy - 6), f"{yv}%", fill=(0, 0, 0))
+        if yv == 98:
+            d.line([L, gy, W - R, gy], fill=(200, 200, 200))
+    _, gy = px(x0, 98)
+    d.line([L, gy, W - R, gy], fill=(170, 170, 170))
+    d.text((W - R - 70, gy - 13), "98% line", fill=(120, 120, 120))
+    d.text((L + (W - L - R) // 2 - 60, H - 25), "speedup vs target-only", fill=(0, 0, 0))
+    d.text((8, 10), "% of target-only quality vs speedup: toy world (this run) and the reference (Wan2.1 14B / 1.3B)",
+           fill=(0, 0, 0))
+    for k, (source, colour) in enumerate(PAGE_SOURCES.items()):
+        mine = [p for p in points if p["source"] == source]
+        line = front(mine)
+        if len(line) > 1:
+            d.line([px(p["speedup"], p["quality_pct"]) for p in line], fill=colour, width=2)
+        for p in mine:
+            x, y = px(p["speedup"], p["quality_pct"])
+            if source == "reference":
+                d.polygon([(x, y - 6), (x - 6, y + 5), (x + 6, y + 5)], fill=colour)
+            elif source.startswith("toy, chosen"):
+                d.rectangle([x - 4, y - 4, x + 4, y + 4], outline=colour, width=2)
+            else:
+                d.ellipse([x - 5, y - 5, x + 5, y + 5], fill=colour)
+            if not source.startswith("toy, chosen"):  # (listed in the page's table; their labels would overlap)
+                d.text((x + 7, y - 6), p["name"], fill=colour)
+        d.text((W - R + 10, T + 16 * k), source, fill=colour)
+    img.save(path)
+
+
+def _lookup(report: dict, key: str):
+    value = report
+    for part in key.split("."):
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value
+
+
+PAGE_FORMATS = {"q": "{:.3f}", "pct": "{:.1f}%", "x": "{:.2f}x", "pm": "{:+.3f}", "a": "{:.2f}", "n": "{}"}
+
+
+def page_number(value, fmt: str) -> str:
+    """How the page writes a number of the report (``fmt``: a key of :data:`PAGE_FORMATS`; ``pct`` takes a share)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    if fmt == "pct":  # a share, written as a percentage
+        value = 100 * value
+    return PAGE_FORMATS[fmt].format(value)
+
+
+def write_page(report: dict, path: Path) -> None:
+    """``index.html``: one page a person reads. Every number on it is read from ``report`` (its key is in the cell's
+    ``data-key``, so that a test can check each against report.json)."""
+    import html
+
+    def num(key: str, fmt: str) -> str:
+        return f'<span data-key="{key}" data-fmt="{fmt}">{page_number(_lookup(report, key), fmt)}</span>'
+
+    f = report["findings"]
+    configs = report["configs"]
+    index = {c["name"]: i for i, c in enumerate(configs)}
+
+    def run_key(config: str, run: int) -> str:
+        return f"configs.{index[config]}.runs.{run}.quality"
+    held = "held-out report-set clips (nothing was chosen or trained on them)" if f.get("held_out") else "design-set clips"
+    parts = [f"<!doctype html><meta charset='utf-8'><title>SDVG toy demo</title>",
+             "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;line-height:1.4}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+             "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}img.v{width:128px;image-rendering:pixelated}"
+             ".good{color:#070}.bad{color:#a00}</style>",
+             "<h1>SDVG on the embedded toy world</h1>",
+             f"<p>{num('num_prompts', 'n')} prompt(s) &times; {len(report['seeds'])} seed(s), {held}; "
+             f"{report['num_frames']} frames of {report['size']}&times;{report['size']} px, {report['workers']} worker(s), "
+             f"preset {html.escape(report['preset'])}. Quality is the world's ground truth (caption adherence and "
+             "motion of each clip, <code>world.clip_metrics</code>), not the reward the router uses.</p>"]
+    b = report.get("baselines") or {}
+    demo_tab, shipped = b.get("demo"), b.get("report_set")
+    parts.append("<h2>Baselines: toy world beside the reference</h2><table><tr><th></th>"
+                 f"<th>this demo ({num('baselines.demo.clips', 'n')} clips)</th>"
+                 + (f"<th>toy report set ({num('baselines.report_set.clips', 'n')} clips) [95% CI]</th>" if shipped else "")
+                 + "<th>reference</th><th>issue 29 band</th></tr>")
+    from .baselines import BANDS
+
+    for key, label, fmt in (("target_only", "target-only quality", "q"), ("draft_only", "draft-only quality", "q"),
+                            ("first_block_only", "block 0 by the target + every later draft", "q"),
+                            ("draft_ratio", "draft-only, % of target-only", "pct"),
+                            ("first_block_ratio", "block 0 + drafts, % of target-only", "pct"),
+                            ("gap_closed", "share of the draft&rarr;target gap block 0 closes", "pct"),
+                            ("between_prompt_share", "draft-score variance between prompts", "pct"),
+                            ("cost_ratio", "target / drafter seconds per block", "a"),
+                            ("verification_share", "verification (draft+decode+score) / target block", "pct")):
+        row = f"<tr><td>{label}</td>"
+        row += f"<td>{num(f'baselines.demo.{key}.value', fmt)}</td>" if demo_tab and key in demo_tab else "<td>–</td>"
+        if shipped:
+            if key in shipped:
+                ci = shipped[key]["ci"]
+                row += (f"<td>{num(f'baselines.report_set.{key}.value', fmt)}"
+                        + (f" [{num(f'baselines.report_set.{key}.ci.0', fmt)}, {num(f'baselines.report_set.{key}.ci.1', fmt)}]"
+                           if ci else "") + "</td>")
+            else:
+                row += "<td>–</td>"
+        row += f"<td>{num(f'baselines.reference.{key}', fmt)}</td>"
+        band = BANDS.get(key)
+        row += f"<td>{page_number(band[0], fmt)}–{page_number(band[1], fmt)}</td>" if band else "<td></td>"
+        parts.append(row + "</tr>")
+    parts.append("</table>")
+    if shipped:
+        parts.append("<p>The report-set column is the shipped table (<code>python -m sdvg_engine.toy.baselines</code>, "
+                     "all 40 report-set clips, the same weights); the demo's own clips are too few for CIs.</p>")
+    parts.append("<h2>Quality against speed</h2><p><img src='pareto_vs_reference.png' alt='Pareto front'></p>"
+                 "<table><tr><th>point</th><th>source</th><th>% of target-only</th><th>speedup</th><th>acceptance</th></tr>")
+    for i, pt in enumerate(report["page"]["pareto_points"]):
+        parts.append(f"<tr><td>{html.escape(pt['name'])}</td><td>{html.escape(pt['source'])}</td>"
+                     f"<td>{num(f'page.pareto_points.{i}.quality_pct', 'a')}%</td><td>{num(f'page.pareto_points.{i}.speedup', 'x')}</td>"
+                     f"<td>{num(f'page.pareto_points.{i}.acceptance', 'a')}</td></tr>")
+    parts.append("</table><p>Toy speedups marked <em>measured</em> are this run's wall time against target-only on the "
+                 "same workers, summed over its clips; <em>cost model</em> rows are block counts &times; the per-block "
+                 "seconds of this run (one worker). The reference's are its paper's wall times.</p>")
+    parts.append("<h2>Verdicts on clips nothing was tuned on</h2><table><tr><th>SDVG tau</th><th>acceptance</th>"
+                 "<th>router</th><th>random, same acceptance</th><th>router &minus; random [95% CI]</th></tr>")
+    for i, m in enumerate(f["router_vs_random_at_matched_acceptance"]):
+        k = f"findings.router_vs_random_at_matched_acceptance.{i}"
+        parts.append(f"<tr><td>{num(k + '.tau', 'a')}</td><td>{num(k + '.acceptance', 'a')}</td><td>{num(k + '.sdvg_quality', 'q')}</td>"
+                     f"<td>{num(k + '.random_quality', 'q')}</td><td>{num(k + '.router_minus_random', 'pm')} "
+                     f"[{num(k + '.router_minus_random_ci.0', 'pm')}, {num(k + '.router_minus_random_ci.1', 'pm')}]</td></tr>")
+    parts.append("</table>")
+    if f.get("router_vs_random_margin") is not None:
+        verdict = "router better than random" if f["router_beats_random"] else "router not better than random"
+        parts.append(f"<p>Averaged over the taus with acceptance in the band: {num('findings.router_vs_random_margin', 'pm')} "
+                     f"[{num('findings.router_vs_random_margin_ci.0', 'pm')}, {num('findings.router_vs_random_margin_ci.1', 'pm')}]: "
+                     f"<b>{verdict}</b>{' (the CI includes 0)' if f['router_vs_random_margin_ci'][0] <= 0 <= f['router_vs_random_margin_ci'][1] else ''}.</p>")
+    chosen = f.get("chosen_on_design") or {}
+    if chosen:
+        parts.append("<p>Settings chosen on the design set (<code>demo.ROUTING_CHOICE</code>), judged here (cost model, one worker):</p>"
+                     "<table><tr><th>mode, setting</th><th>acceptance</th><th>% of target-only</th><th>speedup</th>"
+                     "<th>router &minus; random [95% CI]</th></tr>")
+        for mode in chosen:
+            k = f"findings.chosen_on_design.{mode}"
+            parts.append(f"<tr><td>{html.escape(mode)} {html.escape(_setting_text(chosen[mode]['setting']))}</td>"
+                         f"<td>{num(k + '.acceptance', 'a')}</td><td>{num(k + '.quality_ratio_to_target', 'pct')}</td>"
+                         f"<td>{num(k + '.speedup', 'x')}</td><td>{num(k + '.router_minus_random', 'pm')} "
+                         f"[{num(k + '.router_minus_random_ci.0', 'pm')}, {num(k + '.router_minus_random_ci.1', 'pm')}]</td></tr>")
+        parts.append("</table>")
+    videos = report["page"]["videos"]
+    if videos:
+        show = report["showcase_tau"]
+        parts.append(f"<h2>Videos</h2><table><tr><th>prompt</th><th>target-only</th><th>SDVG tau={show:g}</th><th>draft-only</th></tr>")
+        for i, v in enumerate(videos):
+            cells = "".join(
+                f"<td><img class='v' src='{html.escape(v[name])}'><br>quality {num(run_key(cfg, v['run']), 'q')}</td>"
+                for name, cfg in (("target_only", "target_only"), ("sdvg", f"sdvg tau={show:g}"), ("draft_only", "draft_only")))
+            parts.append(f"<tr><td>{html.escape(v['prompt'])}</td>{cells}</tr>")
+        parts.append("</table><p><img src='acceptance_mask.png' alt='acceptance mask' style='max-width:100%'><br>"
+                     "Under each SDVG frame: green = the drafter's block kept, red = made by the target.</p>")
+    path.write_text("\n".join(parts) + "\n")
+
+
 def format_table(configs: dict) -> str:
     lines = [f"{'config':<22} {'quality':>8} {'adher.':>7} {'tempo.':>7} {'accept':>7} {'wall s':>7} {'speedup':>8}"]
     for c in configs.values():
@@ -393,14 +630,20 @@ def main(argv=None) -> dict:
     showcase_tau = sorted(args.taus)[len(args.taus) // 2]
     show = f"sdvg tau={showcase_tau:g}"
     files = {"videos": [], "acceptance_mask": str(out / "acceptance_mask.png"), "report": str(out / "report.json"),
-             "pareto": str(out / "pareto.png")}
-    rows = []
+             "pareto": str(out / "pareto.png"), "page": str(out / "index.html"),
+             "pareto_vs_reference": str(out / "pareto_vs_reference.png")}
+    rows, page_videos = [], []
     for i, p in enumerate(prompts):
         item = (p, seeds[0])
         slug = p.replace("a ", "", 1).replace(" ", "_")
         if not args.no_videos:
-            for name, tag in (("target_only", "target_only"), ("draft_only", "draft_only"), (show, f"sdvg_tau{showcase_tau:g}")):
-                files["videos"] += write_video(kept[(name, item)].frames, out / "videos" / f"{i:02d}_{slug}_{tag}")
+            shown = {"run": i * len(seeds), "prompt": p}
+            for key, name, tag in (("target_only", "target_only", "target_only"), ("draft_only", "draft_only", "draft_only"),
+                                   ("sdvg", show, f"sdvg_tau{showcase_tau:g}")):
+                written = write_video(kept[(name, item)].frames, out / "videos" / f"{i:02d}_{slug}_{tag}")
+                files["videos"] += written
+                shown[key] = f"videos/{Path(written[0]).name}"
+            page_videos.append(shown)
         rows.append((f"{p}  (tau={showcase_tau:g})", kept[(show, item)].frames, kept[(show, item)].acceptance_mask))
     write_mask_strip(rows, out / "acceptance_mask.png")
     write_pareto(configs, out / "pareto.png")
@@ -416,7 +659,12 @@ def main(argv=None) -> dict:
               "workers": args.workers, "configs": list(configs.values()),
               "compare_workers": args.compare_workers if compare else None,
               "compare_configs": list(compare.values()) if compare else None,
-              "findings": summary, "tree_verdict": trees, "files": files, "seconds": time.perf_counter() - began}
+              "findings": summary, "tree_verdict": trees, "files": files, "num_prompts": len(prompts),
+              "baselines": baselines_beside_reference(trees)}
+    report["page"] = {"pareto_points": pareto_points(report), "videos": page_videos}
+    write_pareto_vs_reference(report["page"]["pareto_points"], out / "pareto_vs_reference.png")
+    report["seconds"] = time.perf_counter() - began
+    write_page(report, out / "index.html")
     (out / "report.json").write_text(json.dumps(report, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
     print(f"every mode on {args.workers} worker(s); speedup against target-only on {args.workers} worker(s):")
     print(format_table(configs))
@@ -464,8 +712,8 @@ def main(argv=None) -> dict:
     kinds = sorted({Path(v).suffix for v in files["videos"]})
     print("(the 40-clip figures: python bench/bench_routing.py; docs/dev/routing.md)")
     note = "" if ".mp4" in kinds or not kinds else " (WebP only: install PyAV for MP4)"
-    print(f"files in {out.resolve()}: {len(files['videos'])} videos in videos/{note}, acceptance_mask.png, pareto.png, "
-          f"report.json ({report['seconds']:.0f}s)")
+    print(f"files in {out.resolve()}: index.html (read this), {len(files['videos'])} videos in videos/{note}, "
+          f"acceptance_mask.png, pareto.png, pareto_vs_reference.png, report.json ({report['seconds']:.0f}s)")
     return report
 
 

@@ -53,6 +53,8 @@ from ..context import GlobalCache
 from ..pipeline import SDVGOptions, pad_text, unit_frames, video_frames_to_latent_frames
 from ..router import RandomRouter, RewardRouter, TauState
 from ..sampling import SeededNoise
+from .baselines import rows_from_trees
+from .baselines import table as baseline_table
 from .demo import NUM_FRAMES, build_pipeline, prompts_for
 from .models import WEIGHTS, load_reward, load_toy_models, sha256
 from .text import embed_caption
@@ -620,6 +622,8 @@ def analyse(trees, *, grids: dict | None = None, block_seconds: dict | None = No
     report["best_fixed_tau"] = _best_fixed(report)
     report["best"] = {m: best_row(rows, q0) for m, rows in report["modes"].items()}
     report["pareto"] = pareto_front(report)
+    # issue 29's baseline table (draft-only / target-only, the gap block 0 closes, ...) read off the same trees
+    report["baselines"] = baseline_table(rows_from_trees(trees), block_seconds, resamples=resamples, seed=seed)
     report["per_clip"] = [{"caption": t.caption, "seed": t.seed, "target_only": t.leaves[0]["quality"],
                            "draft_only": t.draft_only["quality"], "all_accept": t.leaves[-1]["quality"],
                            "best_leaf": float(t.leaf_quality().max()), "worst_leaf": float(t.leaf_quality().min()),
@@ -835,6 +839,11 @@ def format_report(report: dict) -> str:
     if s:
         lines.append(f"seconds per block ({s.get('threads', '?')} thread(s)): drafter {1e3 * s['drafter']:.1f} ms, target "
                      f"{1e3 * s['target']:.1f} ms, decode {1e3 * s['decode']:.1f} ms, score {1e3 * s['score']:.1f} ms")
+    if report.get("baselines"):
+        from .baselines import format_table as format_baselines
+
+        lines.append("baselines beside the reference's (issue 29):")
+        lines.append(format_baselines(report["baselines"]))
     return "\n".join(lines)
 
 
