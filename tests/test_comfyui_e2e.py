@@ -18,7 +18,6 @@ conditioning with its "use CLIPLoader type wan" message.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import socket
@@ -110,6 +109,9 @@ class Server:
         assert not failed, "\n".join(failed) + "\n" + self.log()[-5000:]
 
     def stop(self) -> None:
+        if getattr(self, "_closing", None) is not None:
+            self._closing.set()
+            self._listener.join(timeout=5)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -139,21 +141,61 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
+    def listen(self) -> None:
+        """Collect the server's websocket events for this test's client id (what the frontend sees), in a thread.
+        The LTS fork's /history keeps only each event's name (and an error's message), not the cached nodes."""
+        import asyncio
+        import threading
+
+        import aiohttp
+
+        self.client_id, self.events, self._closing = uuid.uuid4().hex, [], threading.Event()
+        connected = threading.Event()
+
+        async def receive():
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(f"{self.url}/ws?clientId={self.client_id}") as ws:
+                    connected.set()
+                    while not self._closing.is_set():
+                        try:
+                            message = await ws.receive(timeout=0.5)
+                        except asyncio.TimeoutError:
+                            continue
+                        if message.type == aiohttp.WSMsgType.TEXT:
+                            self.events.append(json.loads(message.data))
+                        elif message.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                            break
+
+        self._listener = threading.Thread(target=lambda: asyncio.run(receive()), daemon=True)
+        self._listener.start()
+        assert connected.wait(30), "could not open the server's websocket"
+
     def queue(self, prompt: dict) -> str:
-        status, reply = self.post("/prompt", {"prompt": prompt, "client_id": uuid.uuid4().hex})
+        status, reply = self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
         assert status == 200 and not reply.get("node_errors"), f"prompt rejected ({status}): {json.dumps(reply)[:3000]}"
         return reply["prompt_id"]
 
     def wait(self, prompt_id: str, timeout: float = RUN_S) -> dict:
+        """The prompt's /history entry once it has finished, with its websocket events under ``"_events"``."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             history = self.get(f"/history/{prompt_id}")
             if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
                 entry = history[prompt_id]
                 if entry["status"].get("status_str") in ("success", "error"):
+                    entry["_events"] = self.events_of(prompt_id, until=deadline)
                     return entry
             time.sleep(0.5)
         pytest.fail(f"prompt {prompt_id} did not finish within {timeout}s:\n{self.log()[-5000:]}")
+
+    def events_of(self, prompt_id: str, until: float) -> list[dict]:
+        """The websocket events of ``prompt_id``, once its last one (success, error or interrupt) has arrived."""
+        last = ("execution_success", "execution_error", "execution_interrupted")
+        while True:
+            events = [e for e in list(self.events) if (e.get("data") or {}).get("prompt_id") == prompt_id]
+            if any(e["type"] in last for e in events) or time.time() > min(until, time.time() + 10):
+                return events
+            time.sleep(0.1)
 
 
 # ---- model files for ComfyUI's own loaders (the shipped native workflows' names) ---------------------------------
@@ -219,6 +261,7 @@ def server(tmp_path_factory):
     srv = Server(root)
     try:
         srv.start()
+        srv.listen()
         yield srv
     finally:
         srv.stop()
@@ -255,15 +298,18 @@ def interrupted_run(server: Server, prompt: dict, after_s: float) -> dict:
 
 
 def messages(entry: dict, event: str) -> list[dict]:
-    """The ``event`` messages of a /history entry's status, as dicts. ComfyUI 0.3.64 lists ``[event, data]`` pairs;
-    the LTS fork (0.12.1) lists them as strings (``str((event, data))``: a Python tuple's repr)."""
-    found = []
-    for message in entry["status"].get("messages", []):
-        if isinstance(message, str):
-            message = ast.literal_eval(message)
-        name, data = message
-        if name == event:
-            found.append(data)
+    """The ``event`` messages of a run (``Server.wait``'s entry), as dicts: the websocket events the server sent for
+    the prompt. ComfyUI 0.3.64 also keeps them in /history as ``[event, data]`` pairs (checked to agree); the LTS fork
+    (0.12.1) keeps only strings there, ``"event"`` or ``"event: exception message"``, and the error's data as
+    ``status.error_details``."""
+    found = [e["data"] for e in entry["_events"] if e["type"] == event]
+    history = entry["status"].get("messages", [])
+    if history and isinstance(history[0], str):  # the LTS fork
+        assert [m.split(":")[0] for m in history].count(event) == len(found), (event, history, entry["_events"])
+        if event == "execution_error" and "error_details" in entry["status"]:
+            assert found[0]["node_type"] == entry["status"]["error_details"]["node_type"], (found, entry["status"])
+    else:
+        assert [data for name, data in history if name == event] == found, (event, history, entry["_events"])
     return found
 
 
@@ -386,7 +432,7 @@ def test_changing_tau_reruns_only_router_and_sampler(server):
 def test_invalid_length_is_rejected_at_queue_time(server):
     prompt = api_workflow("sdvg_prompt_embeddings")
     prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"]["length"] = 40
-    status, reply = server.post("/prompt", {"prompt": prompt, "client_id": "e2e"})
+    status, reply = server.post("/prompt", {"prompt": prompt, "client_id": server.client_id})
     assert status == 400 and "use 33 or 45" in json.dumps(reply)
 
 
@@ -541,6 +587,12 @@ def native_prompt(name: str = "sdvg_native_model", *, lora: bool = True, **sampl
     return prompt
 
 
+def assert_no_lora_errors(server: Server, mark: int) -> None:
+    """ComfyUI logs a LoRA patch it could not apply ("ERROR lora <key> ...") and runs on without it."""
+    errors = [line for line in server.log()[mark:].splitlines() if "ERROR lora" in line]
+    assert not errors, f"{len(errors)} LoRA patches failed: " + "\n".join(errors[:3])
+
+
 def lora_node(prompt: dict, role: str) -> dict:
     sdvg = prompt[node_id(prompt, "SDVGDrafterFromModel" if role == "drafter" else "SDVGTargetFromModel")]
     return prompt[sdvg["inputs"]["model"][0]]
@@ -563,8 +615,10 @@ def run_outputs(server: Server, prompt: dict, mode: str):
     from PIL import Image
     from safetensors.torch import load_file
 
+    mark = len(server.log())
     entry = server.wait(server.queue(prompt))
     report = _check_outputs(server, prompt, entry, mode)
+    assert_no_lora_errors(server, mark)
     saved = entry["outputs"]["901"]["latents"][0]
     latents = load_file(str(server.output / saved["subfolder"] / saved["filename"]))["latent_tensor"].to(torch.float32)
     images = sorted(entry["outputs"]["902"]["images"], key=lambda i: i["filename"])
@@ -621,18 +675,21 @@ def test_native_workflows_run_with_a_lora(server, name):
     MODEL) make a video with the tiny LoRAs, the drafter and the target both used."""
     prompt = gguf_here(native_prompt(name, seed=13, mode="sdvg"))
     assert {lora_node(prompt, r)["class_type"] for r in ("drafter", "target")} == {"LoraLoaderModelOnly"}
+    mark = len(server.log())
     entry = server.wait(server.queue(prompt))
     report = _check_outputs(server, prompt, entry, "sdvg")
+    assert_no_lora_errors(server, mark)
     assert report["blocks"][0]["source"] == "target" and all(b["drafted"] for b in report["blocks"][1:])
     assert report["models"]["target"]["context_scheme"] == "recompute_window"
 
 
-def test_model_path_equals_the_packs_loader(server):
+@pytest.mark.parametrize("mode", ["draft_only", "sdvg"])
+def test_model_path_equals_the_packs_loader(server, mode):
     """UNETLoader + SDVG Drafter/Target from MODEL on the exported files == the pack's own loaders on the same files
     (fp32): the same decisions and scores, latents within 1e-6 of their size (measured 4e-7: 6.7e-6 on 16.6), frames
     within one 8-bit level (12 of 152k values differ by one)."""
-    model = run_outputs(server, save_latent(model_path_prompt(seed=17, mode="sdvg")), "sdvg")
-    pack = run_outputs(server, save_latent(pack_loader_prompt(seed=17, mode="sdvg")), "sdvg")
+    model = run_outputs(server, save_latent(model_path_prompt(seed=17, mode=mode)), mode)
+    pack = run_outputs(server, save_latent(pack_loader_prompt(seed=17, mode=mode)), mode)
     _compare("MODEL path vs the pack's loaders", model, pack, relative_tol=1e-6, pixel_tol=1)
 
 
@@ -658,8 +715,10 @@ def test_lora_strength_change_does_not_replay(server):
     def run(strength, tau):
         target_lora["inputs"]["strength_model"] = strength
         prompt[router]["inputs"]["tau"] = tau
+        mark = len(server.log())
         entry = server.wait(server.queue(prompt))
         report = _check_outputs(server, prompt, entry, "sdvg")
+        assert_no_lora_errors(server, mark)
         video = entry["outputs"][node_id(prompt, "SaveVideo")]["images"][0]
         return entry, report, decoded_frames(server.output / video["subfolder"] / video["filename"])
 
@@ -777,8 +836,14 @@ def test_ui_workflows_load_in_the_real_frontend(server):
         console = []
         page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: console.append(f"{e}\n{(e.stack or '')[:600]}"))
+        page.on("response", lambda r: console.append(f"HTTP {r.status} {r.url}") if r.status >= 400 else None)
         page.goto(server.url, wait_until="networkidle")
-        page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph", timeout=120_000)
+        try:
+            page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph", timeout=120_000)
+        except Exception:  # what the page shows instead, for the failure message
+            page.screenshot(path=str(SCREENSHOTS / "startup_failed.png"))
+            raise AssertionError(f"the frontend did not start (screenshot {SCREENSHOTS / 'startup_failed.png'}); "
+                                 f"console: {console[:20]}") from None
         page.wait_for_timeout(2000)
         startup_errors = [c for c in console if not _benign(c)]
         for path in sorted(UI_DIR.glob("*.json")):
@@ -805,6 +870,6 @@ def _benign(message: str) -> bool:
     # throws "Cannot read properties of undefined (reading 'id')" from its settings store at startup, with this pack
     # absent too (checked with --disable-all-custom-nodes and nothing whitelisted); it is not raised by loading ours.
     # Frontend 1.58.1 polls the jobs endpoint of newer servers, which 0.3.64 answers with 404 (the server's age).
-    known = ("Failed to load resource", "net::ERR_", "favicon", "Failed to fetch jobs: 404")
+    known = ("Failed to load resource", "net::ERR_", "favicon", "Failed to fetch jobs: 404", "HTTP 404 ")
     startup = "Cannot read properties of undefined (reading 'id')" in message and "addSetting" in message
     return startup or any(s in message for s in known)
