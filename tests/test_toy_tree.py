@@ -506,3 +506,19 @@ def test_random_mode_is_the_tree_walk_and_drafts_only_what_it_keeps(models, buil
             assert torch.equal(frames[leaf], result.frames), (caption, p)
             n, kept = tree.num_decisions, bin(leaf).count("1")
             assert counts == {"drafter": kept, "target": 1 + n - kept, "decode": 1 + n, "score": 0}
+
+
+def test_baseline_rows_of_a_tree_are_the_pipelines_runs(models, built):
+    """The tree report's baseline table (issue 29) reads target-only, block 0 + every draft, and the drafts' scores off
+    the tree: they are what three pipeline runs give (python -m sdvg_engine.toy.baselines)."""
+    from sdvg_engine.toy import baselines
+
+    pipe = demo.build_pipeline(models)
+    for clip, (tree, _) in built.items():
+        from_tree = baselines.rows_from_trees([tree])[0]
+        runs = baselines.clip_row(pipe, *clip, num_frames=FRAMES)
+        assert (from_tree["caption"], from_tree["seed"]) == clip == (runs["caption"], runs["seed"])
+        for key in ("target_only", "draft_only", "first_block_only"):
+            assert from_tree[key] == pytest.approx(runs[key], abs=1e-12), (clip, key)
+        assert len(from_tree["draft_scores"]) == tree.num_decisions
+        assert from_tree["draft_scores"] == pytest.approx(runs["draft_scores"], abs=1e-6)
