@@ -39,7 +39,8 @@ bench: venv
 	PYTHONPATH=. $(VPY) bench/dry_run.py
 	$(VPY) bench/bench_routing.py --time --repeats 3 --time-prompts 8 --threads 1 --out outputs/routing_timed.json
 
-# The pack in a real ComfyUI (COMFYUI_PATH=<checkout>) and its UI workflows in the real frontend: see scripts/e2e.sh.
+# The pack in two real ComfyUIs (0.3.64 in .e2e/ComfyUI or COMFYUI_PATH, and the LTS fork 0.12.1 in .e2e/lts; built
+# there when missing) and its UI workflows in the real frontends: see scripts/e2e.sh.
 e2e:
 	bash scripts/e2e.sh
 
