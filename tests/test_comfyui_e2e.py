@@ -568,8 +568,8 @@ def require_gguf() -> None:
 
 def native_prompt(name: str = "sdvg_native_model", *, lora: bool = True, **sampler_inputs) -> dict:
     """A shipped native workflow at the small size, runnable without the 11 GB UMT5: the prompt comes from the
-    pre-encoded embeddings file (as in sdvg_prompt_embeddings) instead of CLIPLoader + CLIPTextEncode. ``lora=False``
-    takes the LoRA nodes out (as bypassing them does). The target runs Krea's context scheme, as the 14B would
+    pre-encoded embeddings file (as in sdvg_prompt_embeddings) instead of CLIPLoader + CLIPTextEncode. The workflows
+    ship with their LoRA nodes bypassed (the API copy has none); ``lora=True`` puts them back with the tiny LoRAs. The target runs Krea's context scheme, as the 14B would
     ('auto' follows the width, and the tiny model is narrow)."""
     prompt = api_workflow(name, **sampler_inputs)
     text, clip, encode = (node_id(prompt, t) for t in ("PrimitiveStringMultiline", "CLIPLoader", "CLIPTextEncode"))
@@ -577,13 +577,14 @@ def native_prompt(name: str = "sdvg_native_model", *, lora: bool = True, **sampl
     prompt[encode] = {"class_type": "SDVGLoadPromptEmbeddings", "inputs": {"embeddings_file": "prompts.safetensors", "index": 0}}
     prompt[node_id(prompt, "SDVGSpeculativeSampler")]["inputs"].update(positive=[encode, 0], reward_prompt=[encode, 1])
     prompt[node_id(prompt, "SDVGTargetFromModel")]["inputs"]["context_scheme"] = "recompute_window"
-    if not lora:
-        for nid in [k for k, v in prompt.items() if v["class_type"] == "LoraLoaderModelOnly"]:
-            source = prompt.pop(nid)["inputs"]["model"]
-            for node in prompt.values():
-                for key, value in node["inputs"].items():
-                    if value == [nid, 0]:
-                        node["inputs"][key] = source
+    assert "LoraLoaderModelOnly" not in {v["class_type"] for v in prompt.values()}  # shipped bypassed
+    if lora:  # what un-bypassing the workflow's LoRA nodes does, with the tiny LoRAs
+        for lora_id, (role, class_type) in zip(("801", "802"), (("drafter", "SDVGDrafterFromModel"),
+                                                                ("target", "SDVGTargetFromModel"))):
+            inputs = prompt[node_id(prompt, class_type)]["inputs"]
+            prompt[lora_id] = {"class_type": "LoraLoaderModelOnly",
+                               "inputs": {"model": inputs["model"], "lora_name": LORAS[role], "strength_model": 1.0}}
+            inputs["model"] = [lora_id, 0]
     return prompt
 
 

@@ -348,9 +348,7 @@ def test_workflows_fit_their_card_by_the_memory_plan(path):
         for role, class_type in (("drafter", "SDVGDrafterFromModel"), ("target", "SDVGTargetFromModel")):
             sdvg = next(n for n in api.values() if n["class_type"] == class_type)
             assert sdvg["inputs"]["kv_dtype"] == logic.card_settings(card, role)["kv_dtype"], role
-            lora = api[sdvg["inputs"]["model"][0]]
-            assert lora["class_type"] == "LoraLoaderModelOnly" and lora["inputs"]["strength_model"] == 1.0
-            loader = api[lora["inputs"]["model"][0]]
+            loader = api[sdvg["inputs"]["model"][0]]  # the LoRA nodes ship bypassed: not in the API copy
             if role == "drafter":
                 assert loader["inputs"] == {"unet_name": "self_forcing_dmd_comfy.safetensors", "weight_dtype": "default"}
             elif path.stem == "sdvg_native_gguf":
@@ -365,6 +363,20 @@ def test_workflows_fit_their_card_by_the_memory_plan(path):
         chosen = logic.card_settings(card, role)
         shown = {k: inputs[k] for k in chosen}
         assert shown == chosen, (role, shown, chosen)
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_native_workflows_ship_their_lora_nodes_bypassed(name):
+    """A first run needs no LoRA file: each LoRA node sits between its loader and the SDVG node, bypassed (mode 4),
+    and the export leaves it out and wires the loader straight through."""
+    wf = load(ROOT / "workflows" / f"{name}.json")
+    loras = [n for n in wf["nodes"] if n["type"] == "LoraLoaderModelOnly"]
+    assert len(loras) == 2 and all(n.get("mode") == 4 for n in loras)
+    api = ui_to_api(wf)
+    assert "LoraLoaderModelOnly" not in {n["class_type"] for n in api.values()}
+    for class_type in ("SDVGDrafterFromModel", "SDVGTargetFromModel"):
+        sdvg = next(n for n in api.values() if n["class_type"] == class_type)
+        assert api[sdvg["inputs"]["model"][0]]["class_type"] in ("UNETLoader", "UnetLoaderGGUF")
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)

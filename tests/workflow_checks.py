@@ -312,12 +312,29 @@ def _present_widgets(widgets, n_values: int):
     return list(widgets) if k == n_values else None
 
 
+#: LiteGraph node modes: 0 always, 2 never (muted: left out), 4 bypass (left out, its inputs passed through)
+MUTED, BYPASSED = 2, 4
+
+
 def ui_to_api(wf: dict) -> dict:
-    """What the frontend's "Export (API)" makes of a UI workflow (links as [src, slot], widgets by name)."""
+    """What the frontend's "Export (API)" makes of a UI workflow (links as [src, slot], widgets by name). A bypassed
+    node is left out and whatever read its output reads its input of the same type instead (as the frontend does)."""
     links = {l[0]: l for l in wf["links"]}
+    nodes = {n["id"]: n for n in wf["nodes"]}
+
+    def source(link):  # follow bypassed nodes back to a node that runs: (node id, slot)
+        node_id, slot, link_type = link[1], link[2], link[5]
+        node = nodes[node_id]
+        while node.get("mode") == BYPASSED:
+            through = next(i for i in node.get("inputs", []) if i.get("type") == link_type and i.get("link") is not None)
+            link = links[through["link"]]
+            node_id, slot = link[1], link[2]
+            node = nodes[node_id]
+        return [str(node_id), slot]
+
     prompt = {}
     for node in wf["nodes"]:
-        if node["type"] in FRONTEND_ONLY:
+        if node["type"] in FRONTEND_ONLY or node.get("mode") in (MUTED, BYPASSED):
             continue
         spec = spec_of(node["type"])
         values, k, inputs = list(node.get("widgets_values") or []), 0, {}
@@ -326,8 +343,7 @@ def ui_to_api(wf: dict) -> dict:
             k += 2 if w.control_after_generate else 1
         for inp in node.get("inputs", []):
             if inp.get("link") is not None:
-                link = links[inp["link"]]
-                inputs[inp["name"]] = [str(link[1]), link[2]]
+                inputs[inp["name"]] = source(links[inp["link"]])
         prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
     return prompt
 
