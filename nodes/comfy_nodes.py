@@ -46,6 +46,27 @@ class WholeModulePatcher(comfy.model_patcher.ModelPatcher):
         return 0  # nothing freed: ComfyUI then unloads the whole model (model_unload -> detach)
 
 
+def unload_copies_with_other_patches(patchers) -> list:
+    """Unload, with their patches taken out of the weights, the loaded copies (clones) of a run's MODELs that carry
+    other patches (another LoRA or strength); returns them.
+
+    ComfyUI 0.3.64 takes such a copy's patches out itself when the run's copy loads. The LTS fork 0.12.1 keeps the
+    record of which patches are in the shared weights per copy (``ModelPatcher.clone`` copies
+    ``_memory_measurements``), so a copy loaded after another one ran on the other's LoRA (a stale LoRA).
+    Unloading the other copy first restores the base weights from the backup the copies share, in both versions."""
+    unloaded = []
+    for loaded in list(model_management.current_loaded_models):
+        other = loaded.model
+        if other is None or any(other is p for p in patchers):
+            continue
+        if any(p.is_clone(other) and p.patches_uuid != other.patches_uuid for p in patchers
+               if hasattr(p, "patches_uuid")):
+            loaded.model_unload()  # unpatch_weights=True: back to the base weights
+            model_management.current_loaded_models.remove(loaded)
+            unloaded.append(other)
+    return unloaded
+
+
 class ComfyServices(logic.Services):
     """ComfyUI's memory manager, progress bar, interrupt flag and model folders for ``logic``."""
 
@@ -73,6 +94,7 @@ class ComfyServices(logic.Services):
         # One call for the whole run (a later call could evict a model of this run). Partial loads are allowed: the
         # MODEL patchers (ComfyUI's own modules) stream what does not fit; the pack's own WholeModulePatchers still
         # load whole. memory_required reserves the KV caches, VAE state and activations ComfyUI cannot see.
+        unload_copies_with_other_patches(patchers)
         model_management.load_models_gpu(list(patchers), memory_required=int(memory_required), force_full_load=False)
 
     def check_interrupt(self):

@@ -281,6 +281,28 @@ def test_a_lora_equals_its_offline_merge_and_leaves_the_base_weights(files, vae,
     assert not any(getattr(m, "weight_function", None) for m in source.modules())
 
 
+def test_a_run_after_another_loras_run_uses_its_own_weights(files, vae, comfy_vae):
+    """Two copies of one loaded MODEL, one with a LoRA, one without, run one after the other: the second runs on the
+    base weights, as a fresh load does. In the LTS fork 0.12.1 ComfyUI alone leaves the LoRA in the shared weights
+    (each copy keeps its own record of the patches applied); the sampler unloads the other copy first."""
+    base_state = original_state(files["drafter"])
+    lora = make_lora(base_state, seed=7)
+    base = unet(files["drafter"])
+    fresh = sample(logic.load_model_from_comfy(unet(files["drafter"]), role="drafter"), None,
+                   comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only")
+    mm.unload_all_models()
+    for strength in (1.0, 0.5):
+        patched, _ = comfy.sd.load_lora_for_models(base, None, lora, strength, 0)
+        sample(logic.load_model_from_comfy(patched, role="drafter"), None, comfy_nodes.ComfyServices(), comfy_vae,
+               mode="draft_only")
+    out = sample(logic.load_model_from_comfy(base, role="drafter"), None, comfy_nodes.ComfyServices(), comfy_vae,
+                 mode="draft_only")
+    source = base.get_model_object("diffusion_model")
+    assert all(torch.equal(v, base_state[k]) for k, v in source.state_dict().items())
+    assert latents_error(out, fresh) == 0
+    mm.unload_all_models()
+
+
 # ---------------------------------------------------------------------------------------------------- quantisation
 @pytest.mark.parametrize("kind", ["fp8_e4m3fn", "fp8_scaled"])
 def test_fp8_weights_equal_their_dequantised_reference(files, vae, comfy_vae, tmp_path, kind):
