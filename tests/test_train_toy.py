@@ -90,6 +90,49 @@ def test_runs_for_issue_29_leave_the_report_set_out(train_toy):
     assert not held_out & {caption for caption, _ in split_clips("design")}
 
 
+def test_validation_captions_are_design_captions_the_fine_tune_leaves_out(train_toy):
+    """Round 2 of issue 29 chooses on design captions the fine-tune did not see: every other design prompt, none of
+    the report set's, two seeds each."""
+    from sdvg_engine.toy.tree import split_clips
+
+    validation = train_toy.validation_captions()
+    design = [caption for caption, _ in split_clips("design")]
+    assert len(validation) == 24 and validation == set(design[1::2])
+    assert not validation & train_toy.held_out_captions()
+    assert train_toy.validation_clips() == [(c, s) for c in design[1::2] for s in (0, 1)]
+    with pytest.raises(SystemExit, match="--hold-out-validation needs --design-only"):
+        train_toy.main(["drafter", "--hold-out-validation"])
+    with pytest.raises(SystemExit, match="--drafted-context 0.5 needs --rollouts N --rollout-share p"):
+        train_toy.main(["drafter", "--drafted-context", "0.5"])
+
+
+def test_drafted_context_replaces_later_blocks_only(train_toy, drafter):
+    """With ``drafted``, context blocks after block 0 are the drafts and the loss stays on the latents: drafts that
+    differ only in block 0 change nothing (block 0 is the target's in both), drafts that differ later change the loss,
+    and drafts equal to the latents give the plain teacher-forcing loss."""
+    latents = torch.cat([_clip(s, 21) for s in range(3)])
+    scene_index = torch.tensor([0, 7, 50])
+    scenes = all_scenes()
+    rows = torch.stack([train_toy.caption_rows(s.caption)[0] for s in scenes])
+    counts = torch.stack([train_toy.caption_rows(s.caption)[1] for s in scenes])
+    sigmas = torch.tensor(SELF_FORCING_SCHEDULE.sigmas)
+
+    def loss(drafted, prob=1.0):
+        with torch.no_grad():
+            return train_toy.clip_loss(drafter, latents, scene_index, rows, counts, sigmas, np.random.default_rng(3), 2,
+                                       drafted=drafted, drafted_prob=prob)
+
+    plain = loss(None)
+    assert torch.equal(loss(latents.clone()), plain)
+    block0_differs = latents.clone()
+    block0_differs[:, :, :3] += 1.0
+    assert torch.equal(loss(block0_differs), plain)
+    later_differs = latents.clone()
+    later_differs[:, :, 3:] += 1.0
+    assert not torch.allclose(loss(later_differs), plain)
+    assert torch.equal(loss(later_differs, prob=0.0), plain)
+
+
 def test_grow_depth_starts_as_the_shallow_model(train_toy):
     """The deepened target (block expansion) computes exactly what the shallower one did before training."""
     from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel
