@@ -13,7 +13,7 @@ import threading
 
 from .arg_checks import join_negative_values, validate_args
 from .args import build_parser
-from .common import _print_err
+from .common import CTRL_C, _print_err, raise_if_interrupted, raise_interrupt
 
 #: Failures that are the user's input or environment: reported in one line, exit status 2 (plus the
 #: pipeline's NonFiniteOutputError and torch's out-of-memory error, see :func:`main`).
@@ -57,8 +57,9 @@ def _catch_sigint():
     if threading.current_thread() is not threading.main_thread():
         return None
     previous = signal.getsignal(signal.SIGINT)
+    CTRL_C.clear()
     if previous is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, raise_interrupt)
     return previous
 
 
@@ -87,7 +88,9 @@ def main(argv=None) -> int:
         command = f"sdvg {args.command}"
         try:
             validate_args(args)
-            return args.func(args)
+            status = args.func(args)
+            raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt a library swallowed is still a Ctrl-C
+            return status
         except _out_of_memory_error() as err:
             report(f"{command}: error: out of memory ({_one_line(err)[:200]}); lower --width/--height/--length, use "
                    "--fp8-target or --vram-gb, or put the drafter/VAE on another device (--drafter-device/--aux-device)")

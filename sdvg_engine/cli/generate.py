@@ -6,7 +6,7 @@ import signal
 import time
 
 from .arg_checks import options_of, parse_taus
-from .common import UsageError, _print_err
+from .common import UsageError, _print_err, raise_if_interrupted
 from .outputs import _finish_outputs, plan_generate_outputs
 from .prompts import _contexts, plan_prompts
 
@@ -156,6 +156,7 @@ def cmd_generate(args) -> int:
         _print_err("cancelling after the current model call (Ctrl-C again to abort)")
         token.cancel()
 
+    raise_if_interrupted()  # a Ctrl-C while the models loaded, swallowed there: stop before the first video
     previous = signal.signal(signal.SIGINT, on_sigint)
     reports = []
     try:
