@@ -248,6 +248,27 @@ def test_a_lora_applied_per_call_equals_the_merged_weights(pack_model, original_
     assert model_identity(gen) != first
 
 
+def test_a_parameter_the_host_replaces_after_the_view_is_built_is_used(pack_model, original_state):
+    """ComfyUI's full-load patching swaps a patched weight's Parameter object (``set_attr_param``) after the node made
+    its view: the raw modulation tables must be read from the module every call, not kept from the build."""
+    host = StandInWanModel(original_state)
+    view = _view(host)
+    changed = tiny_wan(seed=11)
+    changed.load_state_dict(pack_model.state_dict())
+    with torch.no_grad():
+        for table in (changed.blocks[0].scale_shift_table, changed.scale_shift_table):
+            table.add_(torch.linspace(-0.5, 0.5, table.numel()).view_as(table))
+            table.copy_(table.to(STORAGE).float())  # values the host's storage holds exactly
+    state = to_original_keys(changed.state_dict())
+    for name in ("blocks.0.modulation", "head.modulation"):
+        owner, attr = host.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+        setattr(owner, attr, torch.nn.Parameter(state[name].to(STORAGE), requires_grad=False))
+    _, ref, _ = _blocks(changed, bias=True)
+    _, out, _ = _blocks(view, bias=True)
+    for a, b in zip(ref, out):
+        assert (a - b).abs().max().item() <= 1e-5
+
+
 def test_generators_on_both_agree_under_both_context_schemes(pack_model, original_state):
     view = _view(StandInWanModel(original_state))
     for scheme, schedule in (("global_cache", "self_forcing"), ("recompute_window", "krea")):

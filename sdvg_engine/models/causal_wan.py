@@ -454,7 +454,6 @@ class CausalWanTransformer3DModel(CausalWanForward, WanTransformer3DModel):
         return fused
 
 
-
 def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int, device=None) -> torch.Tensor:
     """Boolean ``[L, L]`` mask: a token may attend to every token of its own block and earlier blocks."""
     block_of_token = torch.arange(num_frames, device=device).repeat_interleave(tokens_per_frame) // frames_per_block

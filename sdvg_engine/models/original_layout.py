@@ -29,27 +29,19 @@ original (ComfyUI ``WanModel``)              diffusers (what the forward reads)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from diffusers.configuration_utils import FrozenDict
 
 from .causal_wan import CausalWanForward, RuntimeSettings, architecture_name, count_parameters
 
-__all__ = ["OriginalLayoutCausalWan", "original_layout_info", "WanConfig", "HostOp"]
+__all__ = ["OriginalLayoutCausalWan", "original_layout_info", "HostOp"]
 
 #: Wan2.1's head dimension: ComfyUI's model detection also derives the head count as ``dim // 128``.
 HEAD_DIM = 128
-
-
-class WanConfig(dict):
-    """The diffusers config keys the forward reads, from the modules' shapes; items are also attributes."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
 
 
 def _call_module(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -87,31 +79,27 @@ class _GeluMLP:
         return self.second(F.gelu(self.first(x), approximate="tanh"))
 
 
-class _Namespace:
-    def __init__(self, **items):
-        self.__dict__.update(items)
-
-
 class _Block:
-    """One transformer block under diffusers' names; ``scale_shift_table`` is read through the host every call
-    (float32 on the compute device), so a patch or an offloaded parameter is always seen as the host has it now."""
+    """One transformer block under diffusers' names; ``scale_shift_table`` is read from the block through the host
+    every call (float32 on the compute device), so a patched, replaced or offloaded parameter is always seen as the
+    host has it now (ComfyUI's full-load patching replaces the parameter object)."""
 
     def __init__(self, source_block: torch.nn.Module, op: Callable, param: Callable):
         def attention(a):
-            return _Namespace(to_q=op(a.q), to_k=op(a.k), to_v=op(a.v), to_out=[op(a.o)], norm_q=op(a.norm_q),
-                              norm_k=op(a.norm_k))
+            return SimpleNamespace(to_q=op(a.q), to_k=op(a.k), to_v=op(a.v), to_out=[op(a.o)], norm_q=op(a.norm_q),
+                                   norm_k=op(a.norm_k))
 
         self.attn1, self.attn2 = attention(source_block.self_attn), attention(source_block.cross_attn)
         self.norm1, self.norm2, self.norm3 = op(source_block.norm1), op(source_block.norm3), op(source_block.norm2)
         self.ffn = _GeluMLP(op(source_block.ffn[0]), op(source_block.ffn[2]))
-        self._modulation, self._param = source_block.modulation, param
+        self._source, self._param = source_block, param
 
     @property
     def scale_shift_table(self) -> torch.Tensor:
-        return self._param(self._modulation)
+        return self._param(self._source.modulation)
 
 
-def _shape_config(source: torch.nn.Module) -> WanConfig:
+def _shape_config(source: torch.nn.Module) -> FrozenDict:
     """The config of a Wan2.1 DiT in the original layout, from its modules' shapes (as ComfyUI's detection does)."""
     missing = [name for name in ("patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks",
                                  "head") if not hasattr(source, name)]
@@ -124,7 +112,7 @@ def _shape_config(source: torch.nn.Module) -> WanConfig:
     if dim % num_heads:
         raise ValueError(f"model width {dim} is not divisible by its {num_heads} heads")
     patch = tuple(int(p) for p in source.patch_embedding.kernel_size)
-    return WanConfig(
+    return FrozenDict(  # diffusers' config type: items are also attributes, as on the pack's own models
         num_attention_heads=num_heads, attention_head_dim=dim // num_heads, ffn_dim=source.blocks[0].ffn[0].out_features,
         num_layers=len(source.blocks), in_channels=source.patch_embedding.in_channels,
         out_channels=source.head.head.out_features // (patch[0] * patch[1] * patch[2]),
@@ -172,21 +160,21 @@ class OriginalLayoutCausalWan(CausalWanForward, torch.nn.Module):
         # Plain attributes, not submodules: they are views of ``source``'s modules, which stay registered once.
         views = dict(
             patch_embedding=op(source.patch_embedding),
-            condition_embedder=_Namespace(
+            condition_embedder=SimpleNamespace(
                 text_embedder=_GeluMLP(op(source.text_embedding[0]), op(source.text_embedding[2])),
-                time_embedder=_Namespace(linear_1=op(source.time_embedding[0]), linear_2=op(source.time_embedding[2])),
+                time_embedder=SimpleNamespace(linear_1=op(source.time_embedding[0]), linear_2=op(source.time_embedding[2])),
                 time_proj=op(source.time_projection[1])),
             blocks=[_Block(b, op, param) for b in source.blocks],
             norm_out=op(source.head.norm), proj_out=op(source.head.head),
         )
         for name, value in views.items():
             object.__setattr__(self, name, value)
-        self._head_modulation, self._param = source.head.modulation, param
+        self._param = param
         self.runtime = RuntimeSettings(attention=attention)
 
     @property
     def scale_shift_table(self) -> torch.Tensor:
-        return self._param(self._head_modulation)
+        return self._param(self.source.head.modulation)  # read every call, as the blocks' (see _Block)
 
     @property
     def device(self) -> torch.device:
