@@ -328,15 +328,14 @@ def load_model_from_comfy(model, context_scheme: str = "auto", kv_dtype: str = "
     the sampler loads the MODEL's own patcher, and every run of it uses one worker lane."""
     from . import comfy_model
     from sdvg_engine.loaders import checkpoint_schedule
+    from sdvg_engine.models.loading import trained_context_scheme
     from sdvg_engine.models.original_layout import original_layout_info
 
     check_choice("role", role, ("drafter", "target"))
     check_choice("context_scheme", context_scheme, schema.CONTEXT_SCHEMES)
     check_choice("kv_dtype", kv_dtype, schema.KV_DTYPES)
     view = comfy_model.model_view(model, kv_dtype=kv_dtype)  # checks the MODEL first (a clear error for non-Wan)
-    config = view.config
-    own_scheme = "recompute_window" if config["num_attention_heads"] * config["attention_head_dim"] == 5120 \
-        else "global_cache"
+    own_scheme = trained_context_scheme(view.config)  # as the file loaders decide for a file that does not say
     info = original_layout_info(view, own_scheme, source="ComfyUI MODEL")
     return SDVGModel(
         model=view, info=info, path="ComfyUI MODEL", role=role, dtype=comfy_model.dtype_name(model.model_dtype()),

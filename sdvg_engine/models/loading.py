@@ -223,6 +223,13 @@ _POSITIVE_INTS = ("num_attention_heads", "attention_head_dim", "in_channels", "o
                   "ffn_dim", "num_layers")
 
 
+def trained_context_scheme(config) -> str:
+    """The context scheme a Wan2.1 DiT's weights were trained with, where nothing says otherwise: the 14B (width
+    5120, Krea Realtime) Krea's recompute window, any other (the 1.3B Self-Forcing drafter) the global cache."""
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    return "recompute_window" if dim == 5120 else "global_cache"
+
+
 def _check_config(config: dict, path: Path, source: str) -> None:
     """Refuse configs that cannot describe a Wan transformer (``source`` says where the config came from)."""
     for key in _POSITIVE_INTS:
@@ -297,14 +304,13 @@ def read_checkpoint(path: str | os.PathLike, *, num_heads: int | None = None) ->
                                   f"choose a --num-heads that divides {dim}")
         config.update(num_attention_heads=num_heads, attention_head_dim=dim // num_heads)
     _check_config(config, path, "config")
-    dim = config["num_attention_heads"] * config["attention_head_dim"]
-    scheme = metadata.get(META_CONTEXT) or ("recompute_window" if dim == 5120 else "global_cache")
+    scheme = metadata.get(META_CONTEXT) or trained_context_scheme(config)
     if scheme not in CONTEXT_SCHEMES:
         raise CheckpointError(f"{path}: metadata '{META_CONTEXT}' is {scheme!r}, expected one of {CONTEXT_SCHEMES}; "
                               "re-export the file with save_checkpoint")
     _check_keys(_meta_model(config, path), state, str(path))
     notes = []
-    if dim == 5120:
+    if trained_context_scheme(config) == "recompute_window":
         notes.append("14B: Krea Realtime defaults (KV recompute window, 5-call schedule)")
     info = CheckpointInfo(
         path=str(path), format=fmt, architecture=architecture_name(config), config=config,
