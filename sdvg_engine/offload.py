@@ -267,6 +267,25 @@ def _weights_bytes(cfg, fp8: bool) -> tuple[float, float]:
     return outside + blocks, outside
 
 
+def _vae_cache_bytes(width: int, height: int, vae_bytes: int) -> float:
+    """The Wan VAE's causal decode cache at ``width`` x ``height`` (one more of it is a draft's rollback snapshot)."""
+    return _VAE_CACHE_FP32_PER_LATENT_PIXEL * (height // 8) * (width // 8) * vae_bytes / 4
+
+
+def _transient_bytes(dits, width: int, height: int, vae_bytes: int) -> float:
+    """The largest transient of a run: one DiT call's block activations (plus, with an fp8 KV cache, one layer's
+    cached prefix dequantised to the compute dtype) or one VAE decode's temporaries, whichever is larger (they run
+    one after another, never together). ``dits``: ``(config, cache_frames, kv_dtype, compute_bytes)`` per DiT."""
+    tpf = (height // 16) * (width // 16)
+    dit_act = prefix = 0.0
+    for cfg, frames, kv_dtype, compute_bytes in dits:
+        dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        dit_act = max(dit_act, 3 * tpf * (dim * 6 + cfg["ffn_dim"]) * 2 * compute_bytes)
+        if kv_dtype == "fp8":
+            prefix = max(prefix, 2 * frames * tpf * dim * compute_bytes)
+    return max(dit_act + prefix, _VAE_DECODE_TRANSIENT_FP32_PER_PIXEL * height * width * vae_bytes / 4)
+
+
 def _kv_bytes(cfg, frames: int, tokens_per_frame: int, kv_dtype: str, compute_bytes: int = 2) -> float:
     """A model's self-attention KV cache of ``frames`` latent frames plus its text K/V (512 rows per layer), stored in
     ``kv_dtype`` (``auto``: the compute dtype, ``compute_bytes`` per value; fp8: 1 byte + a 4-byte scale per row)."""
@@ -374,18 +393,12 @@ def memory_components(*, offload: str, kv_dtype: str, vae_dtype: str, fp8_target
     comp[f"target KV (recompute window, 6 frames, {'bf16' if kv_dtype == 'auto' else kv_dtype})"] = _kv_bytes(
         t_cfg, 6, tpf, kv_dtype)
     comp[f"VAE weights ({vae_dtype})"] = WAN_VAE_PARAMS * vae_bytes
-    comp[f"VAE decode cache ({vae_dtype})"] = _VAE_CACHE_FP32_PER_LATENT_PIXEL * (height // 8) * (width // 8) * vae_bytes / 4
+    comp[f"VAE decode cache ({vae_dtype})"] = _vae_cache_bytes(width, height, vae_bytes)
     # A draft the router may reject keeps the state before its decode until the verdict: one more cache's worth.
     comp[f"VAE rollback snapshot ({vae_dtype}, until each draft's verdict)"] = comp[f"VAE decode cache ({vae_dtype})"]
     comp["ImageReward (fp16)"] = IMAGE_REWARD_PARAMS * 2
-    # Transients never overlap (DiT call, VAE decode, reward run one after another): count the largest.
-    block_tokens = 3 * tpf
-    t_dim = wan_param_counts(t_cfg)["dim"]
-    dit_act = block_tokens * (t_dim * 6 + t_cfg["ffn_dim"]) * 2 * 2
-    if kv_dtype == "fp8":  # one layer's cached prefix dequantized to bf16 (the drafter's is the larger)
-        dit_act += max(2 * d_frames * tpf * wan_param_counts(d_cfg)["dim"] * 2, 2 * 6 * tpf * t_dim * 2)
-    vae_act = _VAE_DECODE_TRANSIENT_FP32_PER_PIXEL * height * width * vae_bytes / 4
-    comp["largest transient: DiT block activations or VAE decode temporaries, whichever is larger"] = max(dit_act, vae_act)
+    comp["largest transient: DiT block activations or VAE decode temporaries, whichever is larger"] = _transient_bytes(
+        [(d_cfg, d_frames, kv_dtype, 2), (t_cfg, 6, kv_dtype, 2)], width, height, vae_bytes)
     comp["CUDA context + allocator slack (reserve)"] = reserve_gib * GiB
     return {k: v / GiB for k, v in comp.items()}
 
@@ -404,24 +417,17 @@ def run_memory_components(models, *, width: int, height: int, vae_dtype: str = "
     if vae_dtype not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"vae_dtype must be fp32, bf16 or fp16, got {vae_dtype!r}")
     tpf = (height // 16) * (width // 16)
-    block_tokens = 3 * tpf
     vae_bytes = 4 if vae_dtype == "fp32" else 2
     comp: dict[str, float] = {}
-    dit_act = prefix = 0.0
     for role, cfg, frames, kv_dtype, compute_bytes in models:
         kv_cache_dtype(kv_dtype)
-        dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
         shown = {"auto": f"{compute_bytes}-byte compute dtype"}.get(kv_dtype, kv_dtype)
         comp[f"{role} KV ({frames} frames, {shown})"] = _kv_bytes(cfg, frames, tpf, kv_dtype, compute_bytes)
-        dit_act = max(dit_act, block_tokens * (dim * 6 + cfg["ffn_dim"]) * 2 * compute_bytes)
-        if kv_dtype == "fp8":  # one layer's cached prefix dequantized to the compute dtype
-            prefix = max(prefix, 2 * frames * tpf * dim * compute_bytes)
-    cache = _VAE_CACHE_FP32_PER_LATENT_PIXEL * (height // 8) * (width // 8) * vae_bytes / 4
+    cache = _vae_cache_bytes(width, height, vae_bytes)
     comp[f"VAE decode cache ({vae_dtype})"] = cache
     comp[f"VAE rollback snapshot ({vae_dtype}, until each draft's verdict)"] = cache
-    vae_act = _VAE_DECODE_TRANSIENT_FP32_PER_PIXEL * height * width * vae_bytes / 4
-    comp["largest transient: DiT block activations or VAE decode temporaries, whichever is larger"] = max(
-        dit_act + prefix, vae_act)
+    comp["largest transient: DiT block activations or VAE decode temporaries, whichever is larger"] = _transient_bytes(
+        [model[1:] for model in models], width, height, vae_bytes)
     return comp
 
 
