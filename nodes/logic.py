@@ -633,14 +633,17 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
         raise ValueError(problem)
     # target_only never runs the drafter and draft_only never runs the target: ComfyUI does not even load
     # the unused one (lazy input), and the model in use stands in for it.
-    needs = SDVGOptions(mode=mode)
+    options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
+                          random_accept_prob=float(random_accept_prob),
+                          refine_from_step=int(refine_from_step) or None, cascade=bool(cascade),
+                          schedule_every=int(schedule_every), schedule_veto=bool(schedule_veto))
     missing = [role for role in needed_inputs(mode, drafter, target, router=True) if role in ("drafter", "target")]
     if missing:
         raise ValueError(f"mode {mode!r} needs the {' and the '.join(missing)}")
     used = [m for m in (drafter, target) if m is not None]
     drafter_model, target_model = drafter or target, target or drafter
-    running = list(dict.fromkeys(m for m, runs in ((drafter_model, needs.uses_drafter),
-                                                   (target_model, needs.uses_target)) if runs))
+    running = list(dict.fromkeys(m for m, runs in ((drafter_model, options.uses_drafter),
+                                                   (target_model, options.uses_target)) if runs))
     check_comfy_models(running)
     # A MODEL's ops cast (and on low-VRAM loads patch and move) its weights per call through ComfyUI's shared state;
     # a second worker thread would race that, so a run with a MODEL-backed model is one lane.
@@ -653,10 +656,6 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
             raise ValueError(f"the {m.role} expects text width {m.model.config.text_dim}, the conditioning is "
                              f"{context.shape[-1]} wide")
     prompt = reward_prompt or ""
-    options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
-                          random_accept_prob=float(random_accept_prob),
-                          refine_from_step=int(refine_from_step) or None, cascade=bool(cascade),
-                          schedule_every=int(schedule_every), schedule_veto=bool(schedule_veto))
     scores_drafts = options.scores_drafts
     if scores_drafts:
         if router is None:
