@@ -59,13 +59,17 @@ def test_self_context_is_the_models_last_step_estimate(train_toy, drafter):
     assert not torch.allclose(got, x0, atol=1e-2)
 
 
+def _loss_batch(train_toy):
+    """Three 21-frame clips with their scenes' caption rows and token counts, and the drafter's sigmas: what the DiT
+    losses take."""
+    captions = [train_toy.caption_rows(s.caption) for s in all_scenes()]
+    return (torch.cat([_clip(s, 21) for s in range(3)]), torch.tensor([0, 7, 50]),
+            torch.stack([rows for rows, _ in captions]), torch.stack([counts for _, counts in captions]),
+            torch.tensor(SELF_FORCING_SCHEDULE.sigmas))
+
+
 def test_dit_losses_are_finite_and_first_block_only_needs_a_batch(train_toy, drafter):
-    latents = torch.cat([_clip(s, 21) for s in range(3)])
-    scene_index = torch.tensor([0, 7, 50])
-    scenes = all_scenes()
-    rows = torch.stack([train_toy.caption_rows(s.caption)[0] for s in scenes])
-    counts = torch.stack([train_toy.caption_rows(s.caption)[1] for s in scenes])
-    sigmas = torch.tensor(SELF_FORCING_SCHEDULE.sigmas)
+    latents, scene_index, rows, counts, sigmas = _loss_batch(train_toy)
     rng = np.random.default_rng(0)
     clip = train_toy.clip_loss(drafter, latents, scene_index, rows, counts, sigmas, rng, 2, 0.5)
     first = train_toy.first_block_loss(drafter, latents, scene_index, rows, counts, sigmas, rng, 4)
@@ -110,12 +114,7 @@ def test_drafted_context_replaces_later_blocks_only(train_toy, drafter):
     """With ``drafted``, context blocks after block 0 are the drafts and the loss stays on the latents: drafts that
     differ only in block 0 change nothing (block 0 is the target's in both), drafts that differ later change the loss,
     and drafts equal to the latents give the plain teacher-forcing loss."""
-    latents = torch.cat([_clip(s, 21) for s in range(3)])
-    scene_index = torch.tensor([0, 7, 50])
-    scenes = all_scenes()
-    rows = torch.stack([train_toy.caption_rows(s.caption)[0] for s in scenes])
-    counts = torch.stack([train_toy.caption_rows(s.caption)[1] for s in scenes])
-    sigmas = torch.tensor(SELF_FORCING_SCHEDULE.sigmas)
+    latents, scene_index, rows, counts, sigmas = _loss_batch(train_toy)
 
     def loss(drafted, prob=1.0):
         with torch.no_grad():
