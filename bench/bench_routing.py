@@ -20,7 +20,8 @@ router - random (exact random expectation at the same acceptance) with 95% boots
 quality/speed Pareto front of all of them. The cost model's per-block seconds are measured in the same run
 (``tree.measure_block_seconds``; ``--block-seconds FILE`` reuses a report's). ``--time``: each chosen setting run by
 the pipeline on the first ``--time-prompts`` report prompts, 1 worker, median of ``--repeats`` summed wall times
-against target-only's (run it alone on the machine). Writes ``--out`` (JSON). See docs/dev/routing.md.
+against target-only's (run it alone on the machine). Writes ``--out`` (JSON), and with ``--ship FILE`` the compact
+table ``make demo`` reads (``sdvg_engine/toy/routing_report.json``). See docs/dev/routing.md.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ if str(ROOT) not in sys.path:
 
 from sdvg_engine.pipeline import SDVGOptions  # noqa: E402
 from sdvg_engine.router import RewardRouter  # noqa: E402
+from sdvg_engine.toy import routing_report  # noqa: E402
 from sdvg_engine.toy import tree as T  # noqa: E402
 from sdvg_engine.toy.demo import NUM_FRAMES, build_pipeline  # noqa: E402
 from sdvg_engine.toy.models import WEIGHTS, load_toy_models  # noqa: E402
@@ -268,6 +270,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--time", action="store_true", help="also time the chosen settings with the pipeline (run alone)")
     ap.add_argument("--time-prompts", type=int, default=8, help="report prompts for --time (the first N)")
     ap.add_argument("--repeats", type=int, default=3, help="--time: repeats (median)")
+    ap.add_argument("--ship", default=None, metavar="FILE",
+                    help="also write the compact table the demo reads (sdvg_engine/toy/routing_report.json, keyed by "
+                         "the weights' hash; sdvg_engine.toy.routing_report)")
     ap.add_argument("--time-picks", choices=("within", "at_speed", "both"), default="both",
                     help="--time: the settings chosen for >= 98%% quality, for >= 1.6x, or both (default)")
     args = ap.parse_args(argv)
@@ -312,6 +317,10 @@ def main(argv=None) -> dict:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
+    if args.ship:
+        ship = Path(args.ship)
+        ship.write_text(json.dumps(routing_report.summarize(out, T.weights_hash(weights)), indent=1))
+        print(f"shipped table {ship}")
     print(format_bench(out))
     print(f"report {path}")
     return out

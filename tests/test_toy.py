@@ -114,6 +114,13 @@ def test_short_demo_run(tmp_path):
     for video in loaded["page"]["videos"]:
         for key in ("target_only", "sdvg", "draft_only"):
             assert (tmp_path / video[key]).exists()
+    # its clips are the report set's most typical (by the shipped baseline table), and the 40 clips' routing table
+    # made with these weights is on the page too
+    assert loaded["prompts"] == demo.typical_prompts(2) and f["held_out"] is True
+    assert loaded["routing_report"] is not None and loaded["routing_report"]["weights"] == _shipped_baselines()["weights"]
+    sources = {p["source"] for p in loaded["page"]["pareto_points"]}
+    assert sources == {"toy, this run (measured)", "toy, 40 report-set clips (cost model)", "reference"}
+    assert "routing_report.points.relative.at_speed.report.router_minus_random" in (tmp_path / "index.html").read_text()
     base = loaded["baselines"]["demo"]
     t, d, b = (base[k]["value"] for k in ("target_only", "draft_only", "first_block_only"))
     assert t == pytest.approx(configs["target_only"]["quality"]) and d == pytest.approx(configs["draft_only"]["quality"])
@@ -180,6 +187,43 @@ def test_shipped_baselines_are_in_the_reference_bands():
     lo, hi = baselines.BANDS["draft_ratio"]
     assert lo <= table["draft_ratio"]["value"] <= hi, table["draft_ratio"]
     assert table["gap_closed"]["value"] >= baselines.BANDS["gap_closed"][0], table["gap_closed"]
+
+
+def test_typical_clips_by_hand():
+    from sdvg_engine.toy.baselines import typical_clips
+
+    rows = [{"caption": c, "seed": 0, "target_only": t, "draft_only": d, "first_block_only": f}
+            for c, t, d, f in (("A", 1.0, 0.8, 0.95), ("B", 1.0, 1.0, 1.0), ("C", 1.0, 0.6, 0.9), ("D", 0.0, 0.1, 0.1),
+                               ("E", 1.0, 0.8, 0.9))]
+    # the set: draft-only 0.66 / 0.8 = 82.5%, block 0 + drafts 0.77 / 0.8 = 96.25%; per clip the summed distance is
+    # A 0.0375, E 0.0875, B 0.2125, C 0.2875, D (target 0) infinite
+    assert typical_clips(rows, 1) == [("A", 0)]
+    assert typical_clips(rows, 2) == [("A", 0), ("E", 0)]  # in the rows' order
+    assert typical_clips(rows, 4) == [("A", 0), ("B", 0), ("C", 0), ("E", 0)]
+    with pytest.raises(ValueError, match="6 typical clips of 5"):
+        typical_clips(rows, 6)
+
+
+def test_shipped_routing_table_is_the_report_set_of_these_weights():
+    """The routing table `make demo` charts (sdvg_engine/toy/routing_report.json, bench_routing --ship) was made with
+    the shipped weights on the report set: its baselines, walked on the 40 report trees, are the shipped baseline
+    table's pipeline runs of the same clips."""
+    from sdvg_engine.toy import demo, routing_report
+
+    base = _shipped_baselines()
+    table = routing_report.shipped(base["weights"])
+    assert table is not None, "re-run python bench/bench_routing.py --ship sdvg_engine/toy/routing_report.json " \
+        "after changing the weights"
+    assert table["clips"] == {"design": 48, "report": 40}
+    t = base["table"]
+    assert table["target_only"]["quality"] == pytest.approx(t["target_only"]["value"], abs=1e-9)
+    assert table["baselines"]["draft_only"]["quality"] == pytest.approx(t["draft_only"]["value"], abs=1e-9)
+    assert table["baselines"]["first_block_only"]["quality"] == pytest.approx(t["first_block_only"]["value"], abs=1e-9)
+    # every router chose a setting for >= 1.6x on the design set; the demo judges those on its own clips
+    assert set(demo.ROUTING_CHOICE) == set(table["points"]) and len(demo.ROUTING_CHOICE) == 11
+    # the demo's showcase tau is the fixed tau chosen on the design set for >= 98% of target-only
+    chosen = routing_report.design_choices("within")["fixed"]
+    assert sorted(demo.DEFAULT_TAUS)[len(demo.DEFAULT_TAUS) // 2] == round(chosen, 3)
 
 
 def test_between_prompt_share_by_hand():

@@ -522,3 +522,56 @@ def test_baseline_rows_of_a_tree_are_the_pipelines_runs(models, built):
             assert from_tree[key] == pytest.approx(runs[key], abs=1e-12), (clip, key)
         assert len(from_tree["draft_scores"]) == tree.num_decisions
         assert from_tree["draft_scores"] == pytest.approx(runs["draft_scores"], abs=1e-6)
+
+
+def test_routing_table_is_the_bench_runs_rows(tmp_path):
+    """The shipped routing table (sdvg_engine.toy.routing_report, what `make demo` charts) holds, for every router, the
+    settings bench_routing chose on the design trees and their rows on the report trees, unchanged; the demo's
+    ROUTING_CHOICE reads the design picks back as the tree tool's settings; the held-out best is the fastest report row
+    within 98%."""
+    import sys
+
+    sys.path.insert(0, str(WEIGHTS.parents[2] / "bench"))
+    import bench_routing as BR
+    from sdvg_engine.toy import routing_report as R
+
+    design = [_synthetic(n=6, seed=s) for s in range(8)]
+    report = [_synthetic(n=6, seed=s) for s in range(8, 16)]
+    seconds = {"drafter": 0.02, "target": 0.18, "decode": 0.04, "score": 0.006}
+    grids = {m: v if m in ("schedule", "random") else v[::4] for m, v in T.default_grids(design).items()}
+    d = T.analyse(design, grids=grids, block_seconds=seconds, resamples=100)
+    r = T.analyse(report, grids=grids, block_seconds=seconds, resamples=100, extra_bands={"fast": BR.FAST_BAND})
+    judged = BR.judge(BR.choose(d), r)
+    bench = {"design": d, "report": r, "judged": judged, "speed_target": T.SPEED_TARGET, "quality_share": T.QUALITY_SHARE,
+             "winner": BR.winner(judged, r), "oracle": BR.oracle_rows(report, seconds)}
+    table = json.loads(json.dumps(R.summarize(bench, "abc")))  # as written to the file
+    assert table["weights"] == "abc" and table["clips"] == {"design": 8, "report": 8}
+    assert table["baselines"]["draft_only"]["speedup"] == pytest.approx((0.18 + 0.04) / (0.02 + 0.04))
+    assert table["baselines"]["first_block_only"]["quality"] == pytest.approx(
+        float(np.mean([t.leaves[-1]["quality"] for t in report])))  # every draft after block 0 kept
+    assert set(table["band_average"]) == {"band", "fast"} and table["bands"]["fast"] == list(BR.FAST_BAND)
+    fast_rows = []
+    for mode, picks in judged.items():
+        for pick in R.PICKS:
+            if picks[pick] is None:
+                assert table["points"][mode][pick] is None
+                continue
+            shipped = table["points"][mode][pick]["report"]
+            row = BR._row_for(r, mode, picks[pick]["design"]["setting"])
+            for key in ("acceptance", "quality", "quality_ratio_to_target", "speedup", "router_minus_random"):
+                assert shipped[key] == pytest.approx(row[key]), (mode, pick, key)
+            if row["quality_ratio_to_target"] >= T.QUALITY_SHARE:
+                fast_rows.append(row["speedup"])
+    best = table["held_out_best"]
+    assert (best is None) == (not fast_rows)
+    if best is not None:
+        assert best["speedup"] == pytest.approx(max(fast_rows)) and best["quality_ratio_to_target"] >= T.QUALITY_SHARE
+    path = tmp_path / "routing_report.json"
+    path.write_text(json.dumps(table))
+    choice = R.design_choices("at_speed", path)
+    expected = {m: T.setting_value(m, p["at_speed"]["design"]["setting"]) for m, p in judged.items() if p["at_speed"]}
+    assert choice == expected and choice  # veto settings come back as (k, tau_mode, tau) tuples
+    with pytest.raises(ValueError, match="pick 'fastest'"):
+        R.design_choices("fastest", path)
+    with pytest.raises(FileNotFoundError, match="bench_routing.py --ship"):
+        R.load(tmp_path / "missing.json")

@@ -146,6 +146,21 @@ def table(rows: list[dict], block_seconds: dict | None = None, *, resamples: int
     return out
 
 
+def typical_clips(rows: list[dict], n: int) -> list[tuple[str, int]]:
+    """The ``n`` clips of ``rows`` (a baseline table's per-clip rows) that look most like the whole set: on each, its
+    draft-only and block-0-plus-drafts quality as shares of its target-only are nearest the set's two ratios (summed
+    distance), in the rows' order. ``make demo`` shows these, so that its few videos tell what the 40 clips say
+    (the first clips of the report set happen to be ones where the drafter alone nearly matches the target)."""
+    if not 1 <= n <= len(rows):
+        raise ValueError(f"asked for {n} typical clips of {len(rows)}")
+    T, D, F = (np.array([r[k] for r in rows]) for k in ("target_only", "draft_only", "first_block_only"))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        distance = np.abs(D / T - D.mean() / T.mean()) + np.abs(F / T - F.mean() / T.mean())
+    distance[~np.isfinite(distance)] = np.inf  # a clip the target scores 0 on says nothing about ratios
+    chosen = sorted(np.argsort(distance, kind="stable")[:n])
+    return [(rows[i]["caption"], rows[i]["seed"]) for i in chosen]
+
+
 def format_table(tab: dict) -> str:
     ref = tab["reference"]
     lines = [f"{'':24} {'toy (' + str(tab['clips']) + ' clips) [95% CI]':>34} {'reference':>10} {'band':>12}"]
