@@ -33,7 +33,7 @@ from sdvg_engine import presets
 from sdvg_engine.loaders import LoadedDiT, build_generator, build_pipeline, load_generator, parse_dtype
 from sdvg_engine.memo import ReplayMemo
 from sdvg_engine.offload import ResidentPart, check_offload_device, enable_block_offload
-from sdvg_engine.pipeline import SDVGOptions, SDVGResult, SpeculativePipeline, video_frames_to_latent_frames
+from sdvg_engine.pipeline import SDVGOptions, SDVGResult, video_frames_to_latent_frames
 from sdvg_engine.reward import ImageRewardScorer, load_image_reward
 from sdvg_engine.router import RewardRouter
 from sdvg_engine.text_encoder import load_prompt_embeddings
