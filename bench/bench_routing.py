@@ -62,8 +62,14 @@ def oracle_rows(trees, seconds: dict | None) -> list[dict]:
     q0 = float(np.mean([t.leaves[0]["quality"] for t in trees]))
     rows = []
     for k in range(n + 1):
-        q = float(np.mean([t.leaf_quality()[k_of == k].max() for t in trees]))
-        counts = {c: np.full(len(trees), v) for c, v in T.random_counts(n, k / n).items()}
+        best = [int(np.flatnonzero(k_of == k)[np.argmax(t.leaf_quality()[k_of == k])]) for t in trees]
+        q = float(np.mean([t.leaves[leaf]["quality"] for t, leaf in zip(trees, best)]))
+        bits = [[b for b in range(1, n + 1) if leaf >> (b - 1) & 1] for leaf in best]  # each clip's kept blocks
+        counts = {"drafter": np.full(len(trees), float(k)), "target": np.full(len(trees), 1.0 + n - k),
+                  "decode": np.full(len(trees), 1.0 + n), "score": np.zeros(len(trees)),
+                  "drafter_last": np.array([max(kept, default=0) for kept in bits], dtype=np.float64),
+                  "target_last": np.array([max(set(range(1, n + 1)) - set(kept), default=0) for kept in bits],
+                                          dtype=np.float64)}
         rows.append({"accepted_per_clip": k, "acceptance": k / n, "quality": q, "quality_ratio_to_target": q / q0,
                      "speedup": T._speedup(counts, n + 1, len(trees), seconds)})
     return rows
@@ -130,39 +136,44 @@ def router_and_options(mode: str, setting, scorer) -> tuple[RewardRouter, SDVGOp
 
 def time_settings(models, picks: list[tuple[str, object]], clips, repeats: int, *, num_frames: int = NUM_FRAMES) -> dict:
     """Measured wall-clock speedup (1 worker, median of ``repeats`` summed walls over ``clips``) of each pick against
-    target-only, interleaved per repeat; also each run's ground-truth quality (the tree walk's, when the trees were
-    built on this machine)."""
+    target-only; also each run's ground-truth quality (the tree walk's, when the trees were built on this machine).
+    Interleaved per clip (every config runs a clip before the next clip starts), so that a slow spell of a shared
+    machine lands on all the configs alike instead of on one config's whole repeat."""
     pipe = build_pipeline(models, workers=1)
     configs = [("target_only", None)] + picks
-    walls = {i: [] for i in range(len(configs))}
-    quality = {}
-
-    def run(i):
-        mode, setting = configs[i]
+    setups = []
+    for mode, setting in configs:
         if mode == "target_only":
-            router, options = RewardRouter(models.scorer), SDVGOptions(mode="target_only")
+            setups.append((RewardRouter(models.scorer), SDVGOptions(mode="target_only")))
         else:
-            router, options = router_and_options(mode, setting, models.scorer)
-        pipe.router = router
-        total, qs = 0.0, []
-        for caption, seed in clips:
-            began = time.perf_counter()
-            result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=num_frames, width=SIZE,
-                                   height=SIZE, seed=seed, options=options)
-            total += time.perf_counter() - began
-            qs.append(clip_metrics(result.frames.numpy(), caption)["quality"])
-        quality[i] = float(np.mean(qs))
-        return total
+            setups.append(router_and_options(mode, setting, models.scorer))
 
-    run(0)  # warm-up
-    for _ in range(repeats):
-        for i in range(len(configs)):
-            walls[i].append(run(i))
+    def run(i, caption, seed):
+        pipe.router, options = setups[i]
+        began = time.perf_counter()
+        result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=num_frames, width=SIZE,
+                               height=SIZE, seed=seed, options=options)
+        return time.perf_counter() - began, clip_metrics(result.frames.numpy(), caption)["quality"]
+
+    for i in range(len(configs)):  # warm-up
+        run(i, *clips[0])
+    walls = {i: [] for i in range(len(configs))}
+    quality = {i: [] for i in range(len(configs))}
+    for r in range(repeats):
+        totals = [0.0] * len(configs)
+        for caption, seed in clips:
+            for i in range(len(configs)):
+                wall, q = run(i, caption, seed)
+                totals[i] += wall
+                if r == 0:
+                    quality[i].append(q)
+        for i, total in enumerate(totals):
+            walls[i].append(total)
     base = statistics.median(walls[0])
     return {"clips": len(clips), "repeats": repeats, "threads": torch.get_num_threads(), "workers": 1,
-            "target_only_wall": base,
+            "target_only_wall": base, "interleaved": "per clip",
             "rows": [{"mode": m, "setting": s, "wall_median": statistics.median(walls[i]), "walls": walls[i],
-                      "speedup": base / statistics.median(walls[i]), "quality": quality[i]}
+                      "speedup": base / statistics.median(walls[i]), "quality": float(np.mean(quality[i]))}
                      for i, (m, s) in enumerate(configs)]}
 
 

@@ -22,6 +22,14 @@ FRAMES = 33  # 3 blocks: block 0 by the target, 2 decisions, 3 nodes, 4 leaves
 CLIPS = (("a red ball moving right on black", 0), ("a green triangle moving left on gray", 3))
 
 
+def _seconds(drafter=0.02, target=0.1, decode=0.04, score=0.005, drafter_call=0.004, target_call=0.02):
+    """Per-block seconds and the DiTs' call costs (:func:`sdvg_engine.toy.tree.call_costs`): the toy's structure,
+    4 denoising calls per block and a global cache (one commit pass per block before the last a model makes)."""
+    calls = {m: {"steps": 4, "context": "global_cache", "per_call": c} for m, c in (("drafter", drafter_call),
+                                                                                   ("target", target_call))}
+    return {"drafter": drafter, "target": target, "decode": decode, "score": score, "calls": calls}
+
+
 @pytest.fixture(scope="module")
 def models():
     return load_toy_models()
@@ -42,6 +50,32 @@ def other_reward(tmp_path_factory):
     path = tmp_path_factory.mktemp("reward") / "reward.safetensors"
     save_file(state, str(path))
     return path
+
+
+@pytest.fixture(scope="module")
+def structure(models):
+    """Each preset's DiT call structure (:func:`T.call_costs`), read off a real target-only and draft-only run."""
+    out = {}
+    for preset in ("native", "reference"):
+        pipe = demo.build_pipeline(models, preset=preset)
+        caption, seed = CLIPS[0]
+        reports = {mode: pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32,
+                                       height=32, seed=seed, options=SDVGOptions(mode=mode)).report
+                   for mode in ("target_only", "draft_only")}
+        model = {"target": "target_only", "drafter": "draft_only"}
+        out[preset] = T.call_costs({m: reports[r]["model_calls"][m] for m, r in model.items()},
+                                   {m: reports[r]["model_call_seconds"][m] for m, r in model.items()}, 3)
+    assert out["native"]["target"]["steps"] == 4 and out["native"]["target"]["context"] == "global_cache"
+    assert out["reference"]["target"]["context"] == "recompute_window"
+    return out
+
+
+def _assert_calls(result, counts, calls):
+    """The cost model's DiT calls of one clip (``counts``: a walk's, index 0) are the calls the pipeline made: its
+    denoising calls and every context pass (lazy commits of kept drafts included)."""
+    for m in ("drafter", "target"):
+        expected = T.model_calls(m, float(counts[m][0]), float(counts[f"{m}_last"][0]), calls)
+        assert expected == sum(result.report["model_calls"][m].values()), (m, result.report["model_calls"])
 
 
 def _midpoints(values):
@@ -68,7 +102,7 @@ def _pipeline_run(models, caption, seed, mode, value, preset="native"):
                          seed=seed, options=SDVGOptions())
 
 
-def test_tree_paths_are_the_pipelines_outputs(models, built):
+def test_tree_paths_are_the_pipelines_outputs(models, built, structure):
     seen = set()
     for i, ((caption, seed), (tree, frames)) in enumerate(built.items()):
         assert tree.num_decisions == 2 and len(tree.leaves) == 4 and sorted(frames) == [0, 1, 2, 3]
@@ -80,6 +114,7 @@ def test_tree_paths_are_the_pipelines_outputs(models, built):
             for d, block in zip(w.decisions, result.blocks[1:]):
                 assert d.block_score == block.decision.block_score and d.tau == block.decision.tau
                 assert d.reference_score == block.decision.reference_score
+            _assert_calls(result, T.evaluate([tree], T.tree_router(mode, value))["counts"], structure["native"])
             metrics = clip_metrics(result.frames.numpy(), caption)
             assert tree.leaves[w.leaf]["quality"] == metrics["quality"]
             seen.add((mode, w.leaf))
@@ -89,7 +124,7 @@ def test_tree_paths_are_the_pipelines_outputs(models, built):
     assert len({leaf for _, leaf in seen}) >= 3  # the routers reach different leaves
 
 
-def test_schedule_leaves_are_the_pipelines_schedule_runs(models, built):
+def test_schedule_leaves_are_the_pipelines_schedule_runs(models, built, structure):
     """Mode schedule walked on the tree (its leaf is fixed by k) is the pipeline's schedule run, bit for bit."""
     for (caption, seed), (tree, frames) in built.items():
         for every in (0, 1, 2):
@@ -101,14 +136,16 @@ def test_schedule_leaves_are_the_pipelines_schedule_runs(models, built):
             assert result.report["decisions"][1:] == ["draft" if leaf >> i & 1 else "target"
                                                       for i in range(tree.num_decisions)]
             assert tree.leaves[leaf]["quality"] == clip_metrics(result.frames.numpy(), caption)["quality"]
+            _assert_calls(result, T.evaluate_schedule([tree], every)["counts"], structure["native"])
 
 
-def test_tree_under_the_reference_preset_too(models):
+def test_tree_under_the_reference_preset_too(models, structure):
     caption, seed = CLIPS[0]
     tree, frames = T.TreeBuilder(models, preset="reference", num_frames=FRAMES).build(caption, seed, keep_frames=True)
     for mode, value in (("fixed", _midpoints([min(s) for lv in tree.draft for s in lv])[0]), ("relative", 0.0)):
         result = _pipeline_run(models, caption, seed, mode, value, preset="reference")
         assert torch.equal(frames[T.walk(tree, T.tree_router(mode, value)).leaf], result.frames)
+        _assert_calls(result, T.evaluate([tree], T.tree_router(mode, value))["counts"], structure["reference"])
 
 
 # ------------------------------------------------------------------------------ exact random expectation
@@ -164,7 +201,7 @@ def test_walks_by_hand():
 # ------------------------------------------------------------------------------ analysis and bootstrap
 def test_analysis_and_bootstrap():
     trees = [_synthetic(n=3, seed=s) for s in range(8)]
-    seconds = {"drafter": 0.02, "target": 0.1, "decode": 0.04, "score": 0.005}
+    seconds = _seconds()
     a = T.analyse(trees, resamples=500, seed=1, block_seconds=seconds)
     again = T.analyse(trees, resamples=500, seed=1, block_seconds=seconds)
     assert json.dumps(a) == json.dumps(again)  # seeded: identical
@@ -185,9 +222,12 @@ def test_analysis_and_bootstrap():
     assert fixed[-1]["setting"] == "inf" and fixed[-1]["acceptance"] == 0.0 and fixed[-1]["quality"] == pytest.approx(q0)
     assert fixed[-1]["router_minus_random"] == pytest.approx(0.0, abs=1e-12)
     # all-reject: the target makes every block: the speedup is below 1 (drafts and scores wasted)
-    assert fixed[-1]["counts"] == {"drafter": 24.0, "target": 32.0, "decode": 56.0, "score": 24.0}
-    cost = 24 * 0.02 + 32 * 0.1 + 56 * 0.04 + 24 * 0.005
-    assert fixed[-1]["speedup"] == pytest.approx(8 * 4 * 0.14 / cost)
+    assert fixed[-1]["counts"] == {"drafter": 24.0, "target": 32.0, "decode": 56.0, "score": 24.0,
+                                   "drafter_last": 24.0, "target_last": 24.0}
+    # per clip: the drafter 3 blocks x 4 calls + 3 commits; the target 4 x 4 + 3, as many as target-only
+    target_only = 8 * (19 * 0.02 + 4 * 0.04)
+    cost = 8 * (15 * 0.004 + 19 * 0.02) + 56 * 0.04 + 24 * 0.005
+    assert fixed[-1]["speedup"] == pytest.approx(target_only / cost)
     band = [r["router_minus_random"] for r in fixed if 0.1 <= r["acceptance"] <= 0.9]
     assert a["average_in_band"]["fixed"]["router_minus_random"] == pytest.approx(np.mean(band))
     lo, hi = a["average_in_band"]["fixed"]["ci"]
@@ -204,9 +244,12 @@ def test_analysis_and_bootstrap():
     assert sorted(sched) == [0, 1, 2, 3]
     assert sched[2]["acceptance"] == pytest.approx(2 / 3)
     assert sched[2]["quality"] == pytest.approx(np.mean([t.leaves[0b101]["quality"] for t in trees]))
-    assert sched[2]["counts"] == {"drafter": 16.0, "target": 16.0, "decode": 32.0, "score": 0.0}
-    cost = 16 * 0.02 + 16 * 0.1 + 32 * 0.04
-    assert sched[2]["speedup"] == pytest.approx(8 * 4 * 0.14 / cost)
+    assert sched[2]["counts"] == {"drafter": 16.0, "target": 16.0, "decode": 32.0, "score": 0.0,
+                                  "drafter_last": 24.0, "target_last": 16.0}
+    # per clip: the drafter makes blocks 1 and 3 (2 x 4 calls + 3 commits), the target 0 and 2 (2 x 4 + 2 commits:
+    # blocks 0 and 1, the draft, before it makes block 2)
+    cost = 8 * (11 * 0.004 + 10 * 0.02) + 32 * 0.04
+    assert sched[2]["speedup"] == pytest.approx(target_only / cost)
     assert sched[1]["speedup"] == pytest.approx(1.0)  # every block by the target: exactly target-only
 
 
@@ -366,30 +409,39 @@ def test_schedule_veto_walks_and_counts_by_hand():
     # the cost model's counts: drafted blocks pay drafter + decode + score, a vetoed one target + decode again,
     # a scheduled block the target and one decode, a reference mode also scores the target blocks it reads
     r = T.evaluate([t], T.tree_router("relative", 0.0), schedule_every=2)
-    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 2, "target": 3, "decode": 5, "score": 4}
+    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 2, "target": 3, "decode": 5, "score": 4,
+                                                                 "drafter_last": 3, "target_last": 3}
     r = T.evaluate([t], T.tree_router("anchor", -0.05), schedule_every=2)
-    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 2, "target": 2, "decode": 4, "score": 3}
+    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 2, "target": 2, "decode": 4, "score": 3,
+                                                                 "drafter_last": 3, "target_last": 2}
     r = T.evaluate([t], T.tree_router("baseline", 0.12))  # plain routing: 3 drafted, 3 rejected, 3 references
-    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 3, "target": 4, "decode": 7, "score": 6}
+    assert {k: float(v[0]) for k, v in r["counts"].items()} == {"drafter": 3, "target": 4, "decode": 7, "score": 6,
+                                                                 "drafter_last": 3, "target_last": 3}
     assert r["quality"][0] == t.leaves[0]["quality"] and r["accepted"][0] == 0
 
 
 def test_random_is_decided_before_drafting_in_the_cost_model():
     trees = [_synthetic(n=6, seed=s) for s in range(5)]
-    assert T.random_counts(6, 0.5) == {"drafter": 3.0, "target": 4.0, "decode": 7.0, "score": 0.0}
-    assert T.random_counts(6, 0.0) == {"drafter": 0.0, "target": 7.0, "decode": 7.0, "score": 0.0}  # = target-only
+    # the expected last kept block at p = 0.5: sum of b 0.5^(7 - b) over b = 1..6 = 5.015625 (and the same for the
+    # last block given to the target)
+    assert T.random_counts(6, 0.5) == {"drafter": 3.0, "target": 4.0, "decode": 7.0, "score": 0.0,
+                                       "drafter_last": 5.015625, "target_last": 5.015625}
+    assert T.random_counts(6, 0.0) == {"drafter": 0.0, "target": 7.0, "decode": 7.0, "score": 0.0,
+                                       "drafter_last": 0.0, "target_last": 6.0}  # = target-only
     r = T.evaluate_random(trees, 0.25)
     np.testing.assert_allclose(r["quality"], [T.random_expectation(t, 0.25) for t in trees])
     # the pipeline's own draws: RandomRouter keyed by (seed, caption, block)
     t = trees[0]
     draws = RandomRouter(0.25, t.seed, key=t.caption)
     assert r["leaves"][0] == sum(int(draws.decide_block(b).accept) << (b - 1) for b in range(1, 7))
-    seconds = {"drafter": 0.02, "target": 0.1, "decode": 0.04, "score": 0.005}
-    a = T.analyse(trees, grids={"random": [0.0, 0.5], "fixed": [math.inf]}, resamples=200, block_seconds=seconds)
+    a = T.analyse(trees, grids={"random": [0.0, 0.5], "fixed": [math.inf]}, resamples=200, block_seconds=_seconds())
     zero, half = a["modes"]["random"]
     assert zero["speedup"] == pytest.approx(1.0) and zero["router_minus_random"] == 0.0
-    assert half["counts"] == {"drafter": 15.0, "target": 20.0, "decode": 35.0, "score": 0.0}
-    assert half["speedup"] == pytest.approx(5 * 7 * 0.14 / (15 * 0.02 + 20 * 0.1 + 35 * 0.04))
+    assert {k: half["counts"][k] for k in ("drafter", "target", "decode", "score")} == {
+        "drafter": 15.0, "target": 20.0, "decode": 35.0, "score": 0.0}
+    drafter_calls, target_calls = 4 * 3 + 5.015625, 4 * 4 + 5.015625  # per clip, commit passes included
+    assert half["speedup"] == pytest.approx(5 * (34 * 0.02 + 7 * 0.04) / (
+        5 * (drafter_calls * 0.004 + target_calls * 0.02) + 35 * 0.04))
     assert half["router_minus_random"] == pytest.approx(0.0, abs=1e-12) and half["acceptance"] == 0.5
     # verify-then-decide at acceptance 0 pays every draft, decode and score on top: slower than target-only
     assert a["modes"]["fixed"][0]["speedup"] < 1.0
@@ -398,7 +450,7 @@ def test_random_is_decided_before_drafting_in_the_cost_model():
 
 def test_analysis_of_every_router_and_the_pareto_front():
     trees = [_synthetic(n=6, seed=s) for s in range(6)]
-    seconds = {"drafter": 0.02, "target": 0.18, "decode": 0.04, "score": 0.006}
+    seconds = _seconds(target=0.18, score=0.006, target_call=0.036)
     grids = T.default_grids(trees)
     assert set(grids) == {*T.MODES, "schedule", "random", *(f"schedule_veto_{m}" for m in T.VETO_MODES)}
     assert grids["schedule_veto_relative"][0] == (2, "relative", -math.inf)
@@ -473,7 +525,7 @@ def _run_counted(models, caption, seed, options, router_kw=None):
     return result, counts
 
 
-def test_anchor_baseline_and_veto_walks_are_the_pipelines_runs(models, built):
+def test_anchor_baseline_and_veto_walks_are_the_pipelines_runs(models, built, structure):
     leaves = set()
     for i, ((caption, seed), (tree, frames)) in enumerate(built.items()):
         for mode in ("anchor", "baseline", "relative"):
@@ -493,12 +545,13 @@ def test_anchor_baseline_and_veto_walks_are_the_pipelines_runs(models, built):
                         continue
                     assert d.block_score == block.decision.block_score and d.tau == block.decision.tau
                     assert d.reference_score == pytest.approx(block.decision.reference_score, abs=0)
-                assert counts == {k: int(v[0]) for k, v in expected["counts"].items()}, (caption, mode, every, tau)
+                assert counts == {k: int(expected["counts"][k][0]) for k in counts}, (caption, mode, every, tau)
+                _assert_calls(result, expected["counts"], structure["native"])
                 leaves.add((mode, w.leaf))
     assert len({leaf for _, leaf in leaves}) >= 3
 
 
-def test_random_mode_is_the_tree_walk_and_drafts_only_what_it_keeps(models, built):
+def test_random_mode_is_the_tree_walk_and_drafts_only_what_it_keeps(models, built, structure):
     for (caption, seed), (tree, frames) in built.items():
         for p in (0.3, 0.7):
             leaf = T.random_walk(tree, p)
@@ -506,6 +559,10 @@ def test_random_mode_is_the_tree_walk_and_drafts_only_what_it_keeps(models, buil
             assert torch.equal(frames[leaf], result.frames), (caption, p)
             n, kept = tree.num_decisions, bin(leaf).count("1")
             assert counts == {"drafter": kept, "target": 1 + n - kept, "decode": 1 + n, "score": 0}
+            last = {m: max((b for b in range(1, n + 1) if bool(leaf >> (b - 1) & 1) == (m == "drafter")), default=0)
+                    for m in ("drafter", "target")}  # this draw's last kept block and last target block
+            _assert_calls(result, {"drafter": [kept], "target": [1 + n - kept], "drafter_last": [last["drafter"]],
+                                   "target_last": [last["target"]]}, structure["native"])
 
 
 def test_baseline_rows_of_a_tree_are_the_pipelines_runs(models, built):
@@ -537,7 +594,7 @@ def test_routing_table_is_the_bench_runs_rows(tmp_path):
 
     design = [_synthetic(n=6, seed=s) for s in range(8)]
     report = [_synthetic(n=6, seed=s) for s in range(8, 16)]
-    seconds = {"drafter": 0.02, "target": 0.18, "decode": 0.04, "score": 0.006}
+    seconds = _seconds(target=0.18, score=0.006, target_call=0.036)
     grids = {m: v if m in ("schedule", "random") else v[::4] for m, v in T.default_grids(design).items()}
     d = T.analyse(design, grids=grids, block_seconds=seconds, resamples=100)
     r = T.analyse(report, grids=grids, block_seconds=seconds, resamples=100, extra_bands={"fast": BR.FAST_BAND})

@@ -142,7 +142,8 @@ def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print, pre
         c["runs"].append({
             "prompt": item[0], "seed": item[1], "quality": metrics["quality"], "adherence": metrics["adherence"],
             "temporal": metrics["temporal"], "wall_seconds": result.report["seconds"]["wall"],
-            "seconds": result.report["seconds"], "decisions": result.report["decisions"],
+            "seconds": result.report["seconds"], "model_calls": result.report["model_calls"],
+            "model_call_seconds": result.report["model_call_seconds"], "decisions": result.report["decisions"],
             "draft_scores": result.report["draft_scores"], "accepted_blocks": acc["accepted_blocks"],
             "drafted_blocks": acc["drafted_blocks"], "engine_speedup_estimate": result.report["speedup_vs_target"],
         })
@@ -224,10 +225,24 @@ def block_seconds_of(configs: dict, num_frames: int = NUM_FRAMES) -> dict | None
     n = len(t)
     scored = [(r["seconds"]["reward"], r["drafted_blocks"]) for c in configs.values() if c["mode"] == "sdvg" for r in c["runs"]]
     drafted = sum(b for _, b in scored)
+
+    def summed(runs, key, model):  # a model's per-kind calls (or seconds) over the runs of one mode
+        out = {}
+        for r in runs:
+            for kind, v in r[key][model].items():
+                out[kind] = out.get(kind, 0) + v
+        return out
+
+    from .tree import call_costs
+
+    calls = call_costs({"target": summed(t, "model_calls", "target"), "drafter": summed(d, "model_calls", "drafter")},
+                       {"target": summed(t, "model_call_seconds", "target"),
+                        "drafter": summed(d, "model_call_seconds", "drafter")}, n * blocks)
     return {"drafter": sum(r["seconds"]["drafter"] for r in d) / (n * blocks),
             "target": sum(r["seconds"]["target"] for r in t) / (n * blocks),
             "decode": (sum(r["seconds"]["vae"] for r in t) + sum(r["seconds"]["vae"] for r in d)) / (2 * n * blocks),
-            "score": sum(s for s, _ in scored) / drafted if drafted else 0.0, "source": "the demo's own runs"}
+            "score": sum(s for s, _ in scored) / drafted if drafted else 0.0, "calls": calls,
+            "source": "the demo's own runs"}
 
 
 def findings(configs: dict, trees: dict | None = None) -> dict:
@@ -602,8 +617,9 @@ def write_page(report: dict, path: Path) -> None:
                      f"<td>{num(f'page.pareto_points.{i}.quality_pct', 'a')}%</td><td>{num(f'page.pareto_points.{i}.speedup', 'x')}</td>"
                      f"<td>{num(f'page.pareto_points.{i}.acceptance', 'a')}</td></tr>")
     parts.append("</table><p>Toy speedups marked <em>measured</em> are this run's wall time against target-only on the "
-                 "same workers, summed over its clips; <em>cost model</em> rows are block counts &times; per-block "
-                 "seconds (one worker) measured when the routing table was made. The reference's are its paper's wall "
+                 "same workers, summed over its clips; <em>cost model</em> rows count the DiTs' calls (their context passes "
+                 "included), the decodes and the scores, at the seconds measured when the routing table was made (one "
+                 "worker). The reference's are its paper's wall "
                  "times.</p>")
     table = report.get("routing_report")
     if table:

@@ -276,6 +276,17 @@ class Walk:
         """Blocks the drafter made (and that were decoded and scored): those with a decision."""
         return sum(d is not None for d in self.decisions)
 
+    @property
+    def drafter_last(self) -> int:
+        """The last block the drafter made (0: none): with the global cache it commits every block before it."""
+        return max((b for b, d in enumerate(self.decisions, 1) if d is not None), default=0)
+
+    @property
+    def target_last(self) -> int:
+        """The last block the target made (block 0, a scheduled or a rejected block): with the global cache it
+        commits every block before it, drafts included, one context pass each (lazily, when it next generates)."""
+        return max((b for b, d in enumerate(self.decisions, 1) if d is None or not d.accept), default=0)
+
 
 def scheduled(b: int, every: int) -> bool:
     """Whether mode ``schedule`` gives block ``b`` (1..n) to the target before drafting (the pipeline's rule,
@@ -409,14 +420,20 @@ def evaluate(trees, router: RewardRouter, *, schedule_every: int = 0) -> dict:
         "accepted": accepted,
         "leaves": [w.leaf for w in walks],
         "counts": {"drafter": drafted, "target": 1.0 + (n - drafted) + rejected, "decode": 1.0 + n + rejected,
-                   "score": drafted + scored_targets},
+                   "score": drafted + scored_targets,
+                   "drafter_last": np.array([w.drafter_last for w in walks], dtype=np.float64),
+                   "target_last": np.array([w.target_last for w in walks], dtype=np.float64)},
     }
 
 
 def random_counts(n: int, p: float) -> dict:
     """Expected blocks per clip of mode ``random`` at ``p``, decided before drafting: a block it gives the target
-    is never drafted, decoded twice or scored (drafter ``p n``, target ``1 + (1 - p) n``, decode ``1 + n``)."""
-    return {"drafter": p * n, "target": 1.0 + (1.0 - p) * n, "decode": 1.0 + n, "score": 0.0}
+    is never drafted, decoded twice or scored (drafter ``p n``, target ``1 + (1 - p) n``, decode ``1 + n``); and the
+    expected last block of each model (``drafter_last``: the last kept block, ``target_last``: the last given to the
+    target, 0 if none): block ``b`` is the last kept one with probability ``p (1 - p)^(n - b)``."""
+    last = lambda q: sum(b * q * (1.0 - q) ** (n - b) for b in range(1, n + 1))  # noqa: E731
+    return {"drafter": p * n, "target": 1.0 + (1.0 - p) * n, "decode": 1.0 + n, "score": 0.0,
+            "drafter_last": last(p), "target_last": last(1.0 - p)}
 
 
 def evaluate_random(trees, p: float) -> dict:
@@ -450,16 +467,61 @@ def evaluate_schedule(trees, every: int) -> dict:
         "accepted": np.full(N, float(accepted)),
         "leaves": [leaf] * N,
         "counts": {"drafter": np.full(N, float(accepted)), "target": np.full(N, 1.0 + n - accepted),
-                   "decode": np.full(N, 1.0 + n), "score": np.zeros(N)},
+                   "decode": np.full(N, 1.0 + n), "score": np.zeros(N),
+                   "drafter_last": np.full(N, float(max((b for b in range(1, n + 1) if not scheduled(b, every)), default=0))),
+                   "target_last": np.full(N, float(max((b for b in range(1, n + 1) if scheduled(b, every)), default=0)))},
     }
 
 
+def model_calls(model: str, blocks, last, calls: dict):
+    """DiT calls of ``model`` ("drafter" or "target") for ``blocks`` generated blocks whose last is block ``last``
+    (numbers or per-clip arrays), with ``calls[model]`` its structure (:func:`call_costs`): ``steps`` denoising calls
+    per block, plus its context passes: with the global cache one commit pass for every block before the last it
+    generates (commits are lazy: a run of kept drafts is committed to the target when it next generates), with the
+    recompute window one pass before every block it generates after block 0 (the target always makes block 0)."""
+    c = calls[model]
+    if c["context"] == "global_cache":
+        passes = last
+    elif c["context"] == "recompute_window":
+        passes = blocks - (1.0 if model == "target" else 0.0)
+    else:
+        raise ValueError(f"calls[{model!r}]: unknown context scheme {c['context']!r}")
+    return c["steps"] * blocks + passes
+
+
+def call_costs(calls: dict, call_seconds: dict, num_blocks: int) -> dict:
+    """Each model's call structure and seconds per DiT call, from a target-only and a draft-only run:
+    ``calls`` / ``call_seconds`` ``{"target": report["model_calls"]["target"] of the target-only run, "drafter": the
+    draft-only run's}`` (the pipeline's per-kind call counts and seconds). Returns ``{model: {"steps", "context",
+    "per_call"}}``: denoising calls per block, ``global_cache`` (commit passes) or ``recompute_window``, and the mean
+    seconds of one call (a t=0 context pass has the shape of a denoising call)."""
+    out = {}
+    for model in ("drafter", "target"):
+        c, sec = calls[model], call_seconds[model]
+        if not c.get("denoise") or c["denoise"] % num_blocks:
+            raise ValueError(f"{model}: {c.get('denoise')} denoising calls is not a whole schedule per block over "
+                             f"{num_blocks} blocks (expected the calls of an all-{model} run)")
+        out[model] = {"steps": c["denoise"] // num_blocks,
+                      "context": "recompute_window" if c.get("recompute") else "global_cache",
+                      "per_call": sum(sec.values()) / sum(c.values())}
+    return out
+
+
 def _speedup(counts: dict, num_blocks: int, num_clips: int, seconds: dict | None) -> float | None:
-    """Cost-model speedup over target-only from block counts and per-block seconds (one worker, summed over clips)."""
+    """Cost-model speedup over target-only (one worker, summed over clips): the DiTs' calls (:func:`model_calls`,
+    their context passes included) times their seconds per call (``seconds["calls"]``, :func:`call_costs`), plus
+    decodes and scores times their seconds per block."""
     if not seconds:
         return None
-    cost = sum(float(np.sum(counts[c])) * seconds[c] for c in ("drafter", "target", "decode", "score"))
-    baseline = num_clips * num_blocks * (seconds["target"] + seconds["decode"])
+    calls = seconds.get("calls")
+    if calls is None:
+        raise ValueError("block_seconds has no per-call costs ('calls'; measured before the cost model counted the "
+                         "DiTs' context passes): measure them again (tree.measure_block_seconds)")
+    dit = sum(float(np.sum(model_calls(m, np.asarray(counts[m]), np.asarray(counts[f"{m}_last"]), calls)))
+              * calls[m]["per_call"] for m in ("drafter", "target"))
+    cost = dit + sum(float(np.sum(counts[c])) * seconds[c] for c in ("decode", "score"))
+    target_only = model_calls("target", float(num_blocks), float(num_blocks - 1), calls) * calls["target"]["per_call"]
+    baseline = num_clips * (target_only + num_blocks * seconds["decode"])
     return baseline / cost if cost > 0 else None
 
 
@@ -746,9 +808,9 @@ def measure_block_seconds(models, *, preset: str = "native", num_frames: int = N
     for mode in ("target_only", "draft_only"):
         best = None
         for _ in range(repeats + 1):  # the first is a warm-up
-            secs = pipe.generate(embeds, prompt=caption, num_frames=num_frames, width=SIZE, height=SIZE, seed=0,
-                                 options=SDVGOptions(mode=mode)).report["seconds"]
-            best = secs if best is None or secs["wall"] < best["wall"] else best
+            report = pipe.generate(embeds, prompt=caption, num_frames=num_frames, width=SIZE, height=SIZE, seed=0,
+                                   options=SDVGOptions(mode=mode)).report
+            best = report if best is None or report["seconds"]["wall"] < best["seconds"]["wall"] else best
         runs[mode] = best
     frames = torch.rand(4 * fpb, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
     prompt = pipe.router.scorer.encode_prompt(caption)
@@ -757,8 +819,13 @@ def measure_block_seconds(models, *, preset: str = "native", num_frames: int = N
         t = time.perf_counter()
         pipe.router.score_frames(frames, prompt)
         times.append(time.perf_counter() - t)
-    return {"drafter": runs["draft_only"]["drafter"] / B, "target": runs["target_only"]["target"] / B,
-            "decode": (runs["draft_only"]["vae"] + runs["target_only"]["vae"]) / (2 * B), "score": min(times[1:]),
+    seconds = {mode: r["seconds"] for mode, r in runs.items()}
+    return {"drafter": seconds["draft_only"]["drafter"] / B, "target": seconds["target_only"]["target"] / B,
+            "decode": (seconds["draft_only"]["vae"] + seconds["target_only"]["vae"]) / (2 * B), "score": min(times[1:]),
+            "calls": call_costs({"target": runs["target_only"]["model_calls"]["target"],
+                                 "drafter": runs["draft_only"]["model_calls"]["drafter"]},
+                                {"target": runs["target_only"]["model_call_seconds"]["target"],
+                                 "drafter": runs["draft_only"]["model_call_seconds"]["drafter"]}, B),
             "threads": torch.get_num_threads()}
 
 
