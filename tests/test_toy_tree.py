@@ -623,6 +623,14 @@ def test_routing_table_is_the_bench_runs_rows(tmp_path):
     assert (best is None) == (not fast_rows)
     if best is not None:
         assert best["speedup"] == pytest.approx(max(fast_rows)) and best["quality_ratio_to_target"] >= T.QUALITY_SHARE
+    # the one setting the design trees alone point to: the fastest pick keeping 98% on design, with its report row
+    on_design = [(p["design"]["speedup"], m, pick) for m, picks in judged.items() for pick, p in picks.items()
+                 if p is not None and p["design"]["quality_ratio_to_target"] >= T.QUALITY_SHARE]
+    first = table["design_best"]
+    assert first is not None and on_design  # schedule k=1 (target-only) always qualifies
+    speed, m, pick = max(on_design)
+    assert first["design"]["speedup"] == pytest.approx(speed)
+    assert first["report"]["quality"] == pytest.approx(judged[first["mode"]][first["pick"]]["report"]["quality"])
     path = tmp_path / "routing_report.json"
     path.write_text(json.dumps(table))
     choice = R.design_choices("at_speed", path)
