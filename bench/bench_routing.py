@@ -303,8 +303,16 @@ def main(argv=None) -> dict:
                              f"--shard 0/2 & ... --shard 1/2)")
         sets[split] = trees
     if args.block_seconds:
-        seconds = json.loads(Path(args.block_seconds).read_text())
+        try:
+            seconds = json.loads(Path(args.block_seconds).read_text())
+        except (FileNotFoundError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--block-seconds {args.block_seconds}: not a JSON report of this tool or of the tree tool "
+                             f"({exc})") from None
         seconds = seconds.get("block_seconds") or seconds.get("report", {}).get("block_seconds")
+        if not seconds or "calls" not in seconds:
+            raise SystemExit(f"--block-seconds {args.block_seconds}: no block_seconds with per-call costs ('calls') in "
+                             "it (reports made before the cost model counted the DiTs' context passes lack them): "
+                             "leave the option out to measure them again")
     else:
         seconds = T.measure_block_seconds(models, num_frames=args.frames)
     grids = T.default_grids(sets["design"])  # the grids too come from the design trees only
