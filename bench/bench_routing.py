@@ -64,12 +64,7 @@ def oracle_rows(trees, seconds: dict | None) -> list[dict]:
     for k in range(n + 1):
         best = [int(np.flatnonzero(k_of == k)[np.argmax(t.leaf_quality()[k_of == k])]) for t in trees]
         q = float(np.mean([t.leaves[leaf]["quality"] for t, leaf in zip(trees, best)]))
-        bits = [[b for b in range(1, n + 1) if leaf >> (b - 1) & 1] for leaf in best]  # each clip's kept blocks
-        counts = {"drafter": np.full(len(trees), float(k)), "target": np.full(len(trees), 1.0 + n - k),
-                  "decode": np.full(len(trees), 1.0 + n), "score": np.zeros(len(trees)),
-                  "drafter_last": np.array([max(kept, default=0) for kept in bits], dtype=np.float64),
-                  "target_last": np.array([max(set(range(1, n + 1)) - set(kept), default=0) for kept in bits],
-                                          dtype=np.float64)}
+        counts = T.before_drafting_counts(best, n)
         rows.append({"accepted_per_clip": k, "acceptance": k / n, "quality": q, "quality_ratio_to_target": q / q0,
                      "speedup": T._speedup(counts, n + 1, len(trees), seconds)})
     return rows

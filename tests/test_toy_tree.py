@@ -559,10 +559,7 @@ def test_random_mode_is_the_tree_walk_and_drafts_only_what_it_keeps(models, buil
             assert torch.equal(frames[leaf], result.frames), (caption, p)
             n, kept = tree.num_decisions, bin(leaf).count("1")
             assert counts == {"drafter": kept, "target": 1 + n - kept, "decode": 1 + n, "score": 0}
-            last = {m: max((b for b in range(1, n + 1) if bool(leaf >> (b - 1) & 1) == (m == "drafter")), default=0)
-                    for m in ("drafter", "target")}  # this draw's last kept block and last target block
-            _assert_calls(result, {"drafter": [kept], "target": [1 + n - kept], "drafter_last": [last["drafter"]],
-                                   "target_last": [last["target"]]}, structure["native"])
+            _assert_calls(result, T.before_drafting_counts([leaf], n), structure["native"])  # this draw's path
 
 
 def test_baseline_rows_of_a_tree_are_the_pipelines_runs(models, built):

@@ -146,6 +146,16 @@ def table(rows: list[dict], block_seconds: dict | None = None, *, resamples: int
     return out
 
 
+def shipped(weights: str) -> dict | None:
+    """The shipped report-set table (:data:`BASELINES_FILE`: ``weights``, ``rows``, ``table``) when it exists and was
+    made with weights ``weights`` (a :func:`sdvg_engine.toy.tree.weights_hash`), else None: its figures would
+    describe other models."""
+    if not BASELINES_FILE.exists():
+        return None
+    data = json.loads(BASELINES_FILE.read_text())
+    return data if data.get("weights") == weights else None
+
+
 def typical_clips(rows: list[dict], n: int) -> list[tuple[str, int]]:
     """The ``n`` clips of ``rows`` (a baseline table's per-clip rows) that look most like the whole set: on each, its
     draft-only and block-0-plus-drafts quality as shares of its target-only are nearest the set's two ratios (summed

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import math
 import time
 from pathlib import Path
@@ -81,13 +82,13 @@ def report_prompts(n: int) -> list[str]:
 def typical_prompts(n: int) -> list[str]:
     """The ``n`` report-set prompts most like the whole report set (:func:`sdvg_engine.toy.baselines.typical_clips`
     on the shipped baseline table, which must have been made with the shipped weights)."""
-    from .baselines import BASELINES_FILE, typical_clips
+    from .baselines import BASELINES_FILE, shipped, typical_clips
     from .models import WEIGHTS
     from .tree import weights_hash
 
-    data = json.loads(BASELINES_FILE.read_text())
-    if data.get("weights") != weights_hash(WEIGHTS):
-        raise SystemExit(f"{BASELINES_FILE} was made with weights {data.get('weights')}, not these "
+    data = shipped(weights_hash(WEIGHTS))
+    if data is None:
+        raise SystemExit(f"{BASELINES_FILE} is missing or was made with other weights than these "
                          f"({weights_hash(WEIGHTS)}): run python -m sdvg_engine.toy.baselines --out {BASELINES_FILE}, "
                          "or use --prompt-set report (the first report-set prompts)")
     return [caption for caption, _ in typical_clips(data["rows"], n)]
@@ -227,11 +228,7 @@ def block_seconds_of(configs: dict, num_frames: int = NUM_FRAMES) -> dict | None
     drafted = sum(b for _, b in scored)
 
     def summed(runs, key, model):  # a model's per-kind calls (or seconds) over the runs of one mode
-        out = {}
-        for r in runs:
-            for kind, v in r[key][model].items():
-                out[kind] = out.get(kind, 0) + v
-        return out
+        return dict(sum((Counter(r[key][model]) for r in runs), Counter()))
 
     from .tree import call_costs
 
@@ -385,16 +382,12 @@ def write_pareto(configs: dict, path: Path) -> None:
 def baselines_beside_reference(trees: dict) -> dict:
     """The baseline table of the demo's own clips (from their trees), the shipped report-set table when it was made
     with the weights loaded here (:data:`sdvg_engine.toy.baselines.BASELINES_FILE`), and the reference's."""
-    from .baselines import BASELINES_FILE, reference_table
+    from .baselines import reference_table, shipped
     from .models import WEIGHTS
     from .tree import weights_hash
 
-    shipped = None
-    if BASELINES_FILE.exists():
-        data = json.loads(BASELINES_FILE.read_text())
-        if data.get("weights") == weights_hash(WEIGHTS):
-            shipped = data["table"]
-    return {"demo": trees.get("baselines"), "report_set": shipped, "reference": reference_table()}
+    data = shipped(weights_hash(WEIGHTS))
+    return {"demo": trees.get("baselines"), "report_set": data and data["table"], "reference": reference_table()}
 
 
 def shipped_routing_table() -> dict | None:

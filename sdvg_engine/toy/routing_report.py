@@ -66,14 +66,21 @@ def summarize(bench: dict, weights: str) -> dict:
     }
 
 
+def _fastest(judged: dict, share: float, side: str):
+    """Of every router's design-chosen settings (both picks), the fastest on the ``side`` ("design" or "report")
+    trees that keeps >= ``share`` of target-only there: (mode, pick, its rows) or None."""
+    ok = [(m, pick, p) for m, picks in judged.items() for pick, p in picks.items()
+          if p is not None and p[side]["quality_ratio_to_target"] >= share and p[side]["speedup"]]
+    return max(ok, key=lambda x: (x[2][side]["speedup"], x[2][side]["quality_ratio_to_target"]), default=None)
+
+
 def design_best(judged: dict, share: float) -> dict | None:
     """The one setting the design trees alone point to: of every router's design-chosen settings, the fastest on the
     design trees that keeps >= ``share`` of target-only there; its design row and its report row."""
-    rows = [(m, pick, p) for m, picks in judged.items() for pick, p in picks.items() if p is not None]
-    ok = [(m, pick, p) for m, pick, p in rows if p["design"]["quality_ratio_to_target"] >= share and p["design"]["speedup"]]
-    if not ok:
+    best = _fastest(judged, share, "design")
+    if best is None:
         return None
-    m, pick, p = max(ok, key=lambda x: (x[2]["design"]["speedup"], x[2]["design"]["quality_ratio_to_target"]))
+    m, pick, p = best
     return {"mode": m, "pick": pick, "design": _row(p["design"]), "report": _row(p["report"])}
 
 
@@ -81,12 +88,11 @@ def held_out_best(judged: dict, share: float) -> dict | None:
     """Of every setting chosen on the design trees (both picks of every router), the fastest on the report trees
     that keeps >= ``share`` of target-only there (P0: >= 98% at >= 1.6x). Each setting's figures are held out; the
     pick among them looks at the report trees (:func:`design_best` does not)."""
-    rows = [(m, pick, p["report"]) for m, picks in judged.items() for pick, p in picks.items() if p is not None]
-    ok = [(m, pick, r) for m, pick, r in rows if r["quality_ratio_to_target"] >= share and r["speedup"]]
-    if not ok:
+    best = _fastest(judged, share, "report")
+    if best is None:
         return None
-    m, pick, r = max(ok, key=lambda x: (x[2]["speedup"], x[2]["quality_ratio_to_target"]))
-    return {"mode": m, "pick": pick, **_row(r)}
+    m, pick, p = best
+    return {"mode": m, "pick": pick, **_row(p["report"])}
 
 
 def load(path: Path = ROUTING_FILE) -> dict:
@@ -110,10 +116,6 @@ def design_choices(pick: str = "at_speed", path: Path = ROUTING_FILE) -> dict:
 
     if pick not in PICKS:
         raise ValueError(f"pick {pick!r}: expected one of {PICKS}")
-    out = {}
-    for mode, picks in load(path)["points"].items():
-        if picks.get(pick) is not None:
-            value = setting_value(mode, picks[pick]["design"]["setting"])
-            out[mode] = value
-    return out
+    return {mode: setting_value(mode, picks[pick]["design"]["setting"])
+            for mode, picks in load(path)["points"].items() if picks.get(pick) is not None}
 

@@ -455,21 +455,29 @@ def schedule_leaf(num_decisions: int, every: int) -> int:
     return sum(1 << (b - 1) for b in range(1, num_decisions + 1) if not scheduled(b, every))
 
 
+def before_drafting_counts(leaves, n: int) -> dict:
+    """The cost model's per-clip counts (as :func:`evaluate`'s) of decisions made before drafting that end in
+    ``leaves`` (one per clip; bit ``b - 1`` set = block ``b`` the drafter's): the drafter makes only its own blocks,
+    the target block 0 and the rest, every block is decoded once, nothing is scored; and each model's last block."""
+    kept = [[b for b in range(1, n + 1) if leaf >> (b - 1) & 1] for leaf in leaves]
+    last = lambda blocks: np.array([max(b, default=0) for b in blocks], dtype=np.float64)  # noqa: E731
+    drafted = np.array([len(k) for k in kept], dtype=np.float64)
+    return {"drafter": drafted, "target": 1.0 + n - drafted, "decode": np.full(len(leaves), 1.0 + n),
+            "score": np.zeros(len(leaves)), "drafter_last": last(kept),
+            "target_last": last([sorted(set(range(1, n + 1)) - set(k)) for k in kept])}
+
+
 def evaluate_schedule(trees, every: int) -> dict:
-    """Per-clip results of ``schedule`` mode on ``trees``, as :func:`evaluate`. Its decisions come before drafting:
-    the drafter runs only on its own blocks, every block is decoded once, nothing is scored."""
+    """Per-clip results of ``schedule`` mode on ``trees``, as :func:`evaluate`. Its decisions come before drafting
+    (:func:`before_drafting_counts`)."""
     n = trees[0].num_decisions
     leaf = schedule_leaf(n, every)
-    accepted = bin(leaf).count("1")
     N = len(trees)
     return {
         "quality": np.array([t.leaves[leaf]["quality"] for t in trees]),
-        "accepted": np.full(N, float(accepted)),
+        "accepted": np.full(N, float(bin(leaf).count("1"))),
         "leaves": [leaf] * N,
-        "counts": {"drafter": np.full(N, float(accepted)), "target": np.full(N, 1.0 + n - accepted),
-                   "decode": np.full(N, 1.0 + n), "score": np.zeros(N),
-                   "drafter_last": np.full(N, float(max((b for b in range(1, n + 1) if not scheduled(b, every)), default=0))),
-                   "target_last": np.full(N, float(max((b for b in range(1, n + 1) if scheduled(b, every)), default=0)))},
+        "counts": before_drafting_counts([leaf] * N, n),
     }
 
 
