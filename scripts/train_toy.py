@@ -659,6 +659,25 @@ def first_block_loss(model, latents, scene_index, rows, counts, sigmas, rng, bat
     return F.mse_loss(pred, noise - x0)
 
 
+def grow_ffn(model, narrow) -> None:
+    """Initialise ``model`` from a DiT with narrower FFNs, same depth and width (Net2Net widening): every weight is
+    copied, each FFN's first ``narrow`` hidden units are the old ones, the new units keep their random input
+    weights and get zero output weights, so the wider model computes exactly what ``narrow`` computed."""
+    theirs = narrow.state_dict()
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            old = theirs[name]
+            if param.shape == old.shape:
+                param.copy_(old)
+            elif name.endswith("ffn.net.0.proj.weight") or name.endswith("ffn.net.0.proj.bias"):
+                param[: old.shape[0]] = old
+            elif name.endswith("ffn.net.2.weight"):
+                param.zero_()
+                param[:, : old.shape[1]] = old
+            else:
+                raise ValueError(f"grow_ffn: {name} {tuple(old.shape)} -> {tuple(param.shape)} is not an FFN weight")
+
+
 def grow_depth(model, shallow) -> None:
     """Initialise ``model`` from a shallower DiT of the same width (block expansion): shallow layer i becomes
     layer ``i * k`` and the ``k - 1`` layers after it are copies of it whose attention and FFN output projections
@@ -722,17 +741,20 @@ def train_dit(args):
     counts = torch.stack([caption_rows(s.caption)[1] for s in scenes])
     torch.manual_seed(args.seed + (1 if which == "target" else 2))
     rng = np.random.default_rng(args.seed + (1 if which == "target" else 2))
-    model = toy_models.build_dit(which, num_layers=args.layers).float().train()
+    model = toy_models.build_dit(which, num_layers=args.layers, ffn_dim=args.ffn_dim).float().train()
     if args.resume:  # continue from the staged weights (a fresh optimizer and learning-rate schedule)
         from sdvg_engine.models.loading import load_causal_wan
 
         staged, _ = load_causal_wan(OUT / toy_models.FILES[which], dtype=torch.float32)
-        if len(staged.blocks) == len(model.blocks):
+        if staged.config.ffn_dim != model.config.ffn_dim:
+            grow_ffn(model, staged)
+            log(f"{which}: FFNs widened from {staged.config.ffn_dim} to {model.config.ffn_dim} (zero-output new units)")
+        elif len(staged.blocks) == len(model.blocks):
             model.load_state_dict(staged.state_dict())
         else:
             grow_depth(model, staged)
             log(f"{which}: grown from {len(staged.blocks)} to {len(model.blocks)} layers (identity-initialised new layers)")
-    ema = toy_models.build_dit(which, num_layers=args.layers).float().eval().requires_grad_(False)
+    ema = toy_models.build_dit(which, num_layers=args.layers, ffn_dim=args.ffn_dim).float().eval().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     drafter = None
     if args.drafter_context > 0:  # the shipped drafter supplies context blocks (see clip_loss)
@@ -852,6 +874,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None,
                    help="target, drafter: number of layers (default: models.TARGET_CONFIG / DRAFTER_CONFIG); with --resume "
                         "from a shallower checkpoint the model is grown (grow_depth)")
+    p.add_argument("--ffn-dim", type=int, default=None,
+                   help="target, drafter: FFN hidden size (default: the models' config); with --resume from a narrower "
+                        "checkpoint the FFNs are widened (grow_ffn)")
     args = p.parse_args(argv)
     global OUT
     OUT = args.weights_dir
@@ -874,7 +899,8 @@ def main(argv=None):
                                 first_block_batch=32, ema=False)),
                 ("target", dict(six, resume=True, steps=350, batch=4, lr=3e-4, seed=4, self_context=0.5,
                                 first_block_batch=16)),
-                ("drafter", dict(steps=2000, batch=4, lr=1e-3, seed=6, threads=2, self_context=0.5, first_block_batch=8)),
+                ("drafter", dict(steps=2000, batch=4, lr=1e-3, seed=6, threads=2, self_context=0.5, first_block_batch=8,
+                                 ffn_dim=512)),
                 ("target", dict(six, resume=True, steps=300, batch=4, lr=2e-4, seed=7, self_context=0.3,
                                 drafter_context=0.4, first_block_batch=16))]
         # 2026-12-01 (issue 16): the VAE continued on whole 81-frame streams (its round trip had collapsed after
@@ -888,7 +914,7 @@ def main(argv=None):
                  ("vae", dict(streams, steps=200, lr=1e-4, seed=14)),
                  ("latents", dict(threads=1)),
                  ("drafter", dict(resume=True, steps=600, batch=4, lr=5e-4, seed=16, threads=1, self_context=0.5,
-                                  first_block_batch=8)),
+                                  first_block_batch=8, ffn_dim=512)),
                  ("target", dict(resume=True, layers=12, steps=300, batch=4, lr=3e-4, seed=17, threads=1, self_context=0.3,
                                  drafter_context=0.4, first_block_batch=16)),
                  ("reward", dict(threads=1, generated_share=0.34))]
@@ -901,11 +927,17 @@ def main(argv=None):
         # so that it continues what SDVG commits. (Round 1's drafter, 800 steps + 250 continuation-only steps chosen on
         # captions it was fine-tuned on, is superseded; docs/dev/toy_world.md.)
         issue29 = dict(resume=True, batch=4, threads=1, self_context=0.5, rollouts=208, design_only=True,
-                       hold_out_validation=True)
+                       hold_out_validation=True, ffn_dim=512)
         drafted = dict(issue29, steps=300, lr=3e-4, first_block_batch=4, rollout_share=0.8, drafted_context=0.7)
         jobs += [("drafter", dict(issue29, steps=800, lr=5e-4, seed=29, first_block_batch=8, rollout_share=0.5)),
                  ("drafter", dict(drafted, seed=35)), ("drafter", dict(drafted, seed=37)),
                  ("drafter", dict(drafted, seed=39))]
+        # 2026-12-05 (issue 29, round 3): the drafter's FFNs widened from 512 to 1024 (grow_ffn: it starts computing
+        # exactly round 2's drafter), then 600 steps of round 2's drafted-context recipe at a higher rate. Its blocks
+        # made from the target's own context were as good as the target's on the captions it was trained on and
+        # worse on new ones (whole objects fading on a few caption triples it never saw): capacity for continuing
+        # new combinations. The FFN is the part that costs the drafter least time (~10%; docs/dev/toy_world.md).
+        jobs += [("drafter", dict(drafted, ffn_dim=1024, steps=600, lr=5e-4, seed=47))]
     else:
         jobs = [(args.what, {})]
     for i, (job, overrides) in enumerate(jobs):

@@ -131,6 +131,12 @@ def _env():
     return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + str(REPO / "tests"))
 
 
+def _as_in_a_terminal():
+    """The child's SIGINT as a foreground command's: default. A test run started in the background of a
+    non-interactive shell has SIGINT ignored, children inherit that, and Python then never raises on Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"], ["encode-prompts", "--help"],
                                   ["inspect", "--help"], ["export-comfy", "--help"], ["generate", "--bogus"]])
 def test_help_and_usage_errors_import_no_torch(argv):
@@ -197,7 +203,8 @@ _SIGINT_DURING_TORCH_IMPORT = _CLI_ALONE.replace("from sdvg_engine.cli import ma
 def test_ctrl_c_while_torch_imports_exits_130_in_one_line(files, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", _SIGINT_DURING_TORCH_IMPORT, *_generate_argv(files, out)],
-                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=120)
+                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=120,
+                          preexec_fn=_as_in_a_terminal)
     assert proc.returncode == 130, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines[0] == "sdvg generate: interrupted (Ctrl-C); no output was left half-written", proc.stderr
@@ -227,7 +234,8 @@ def test_a_ctrl_c_swallowed_by_a_library_still_stops_the_command(files, tmp_path
     CLI's handler remembers the Ctrl-C, so the command stops before the first video: exit 130, one line, no output."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", _SIGINT_SWALLOWED_BY_A_LIBRARY, *_generate_argv(files, out)],
-                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=120)
+                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=120,
+                          preexec_fn=_as_in_a_terminal)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().splitlines()[0] == "sdvg generate: interrupted (Ctrl-C); no output was left half-written"
     assert "Traceback" not in proc.stderr and "video 1/" not in proc.stderr
@@ -236,7 +244,8 @@ def test_a_ctrl_c_swallowed_by_a_library_still_stops_the_command(files, tmp_path
 
 def _run_and_interrupt(argv, when):
     """Start ``argv``, send SIGINT once ``when(stderr so far, seconds)`` is true; (status, stderr)."""
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO, env=_env())
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO, env=_env(),
+                            preexec_fn=_as_in_a_terminal)
     fd = proc.stderr.fileno()
     os.set_blocking(fd, False)
     err, started, sent = b"", time.perf_counter(), False

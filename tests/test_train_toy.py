@@ -132,10 +132,18 @@ def test_drafted_context_replaces_later_blocks_only(train_toy, drafter):
     assert torch.equal(loss(later_differs, prob=0.0), plain)
 
 
+def _both_forwards(train_toy, before, after, *, seed, timestep, scene):
+    """``train_forward`` of two models on the same 9-frame clip, timestep and caption (a model and its grown copy)."""
+    x, t = _clip(seed), torch.tensor([[timestep] * 9])
+    rows, counts = train_toy.caption_rows(all_scenes()[scene].caption)
+    with torch.no_grad():
+        return (train_toy.train_forward(before, x, x, t, rows[None], counts[None]),
+                train_toy.train_forward(after, x, x, t, rows[None], counts[None]))
+
+
 def test_grow_depth_starts_as_the_shallow_model(train_toy):
     """The deepened target (block expansion) computes exactly what the shallower one did before training."""
     from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel
-    from sdvg_engine.toy.text import embed_caption
 
     torch.manual_seed(0)
     shallow = CausalWanTransformer3DModel(**dict(toy_models.DRAFTER_CONFIG, num_layers=2)).eval()
@@ -143,14 +151,26 @@ def test_grow_depth_starts_as_the_shallow_model(train_toy):
     train_toy.grow_depth(deep, shallow)
     assert torch.equal(deep.blocks[2].attn1.to_q.weight, shallow.blocks[1].attn1.to_q.weight)
     assert not deep.blocks[3].ffn.net[2].weight.any()
-    x, t = _clip(3), torch.tensor([[937.5] * 9])
-    rows, counts = train_toy.caption_rows(all_scenes()[9].caption)
-    with torch.no_grad():
-        a = train_toy.train_forward(shallow, x, x, t, rows[None], counts[None])
-        b = train_toy.train_forward(deep, x, x, t, rows[None], counts[None])
+    a, b = _both_forwards(train_toy, shallow, deep, seed=3, timestep=937.5, scene=9)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     with pytest.raises(SystemExit, match="cannot grow 2 layers into 3"):
         train_toy.grow_depth(CausalWanTransformer3DModel(**dict(toy_models.DRAFTER_CONFIG, num_layers=3)), shallow)
+
+
+def test_grow_ffn_starts_as_the_narrow_model(train_toy):
+    """The drafter whose FFNs were widened (issue 29, round 3) computes exactly what the narrower one did before
+    training; its new hidden units have input weights to learn from and zero output weights."""
+    torch.manual_seed(0)
+    narrow = toy_models.build_dit("drafter", ffn_dim=512).eval()
+    wide = toy_models.build_dit("drafter", ffn_dim=1024).eval()
+    train_toy.grow_ffn(wide, narrow)
+    assert torch.equal(wide.blocks[1].ffn.net[0].proj.weight[:512], narrow.blocks[1].ffn.net[0].proj.weight)
+    assert wide.blocks[1].ffn.net[0].proj.weight[512:].abs().sum() > 0
+    assert not wide.blocks[1].ffn.net[2].weight[:, 512:].any()
+    a, b = _both_forwards(train_toy, narrow, wide, seed=4, timestep=625.0, scene=17)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="is not an FFN weight"):
+        train_toy.grow_ffn(toy_models.build_dit("target"), narrow)
 
 
 def test_run_state_resumes_bit_exactly(train_toy, tmp_path):
@@ -199,7 +219,7 @@ def test_reward_learns_on_what_the_pipeline_generates(train_toy):
     from sdvg_engine.pipeline import SDVGOptions
     from sdvg_engine.reward import BlipTokenizer
     from sdvg_engine.toy.demo import _run, build_pipeline
-    from sdvg_engine.toy.world import Scene, frame_adherence
+    from sdvg_engine.toy.world import frame_adherence
 
     scenes = all_scenes()
     pool = train_toy.generated_pool(np.random.default_rng(3), scenes, 2)

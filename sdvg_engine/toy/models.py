@@ -3,11 +3,13 @@
 * VAE: ``diffusers.AutoencoderKLWan`` (base_dim 8, z_dim 16, one res block per stage), 32x32 px -> 4x4 latents;
   its ``latents_mean`` / ``latents_std`` are the trained encoder's per-channel statistics.
 * drafter / target: :class:`CausalWanTransformer3DModel`, patch 1x1x1 (16 tokens per latent frame), text_dim 256
-  (:mod:`.text`). The target (12 layers, width 256, 13.3M parameters) costs ~25x the drafter's (2 layers, width 128,
-  0.7M) multiply-adds per token and ~10x its wall time per block on one CPU thread, like 14B against 1.3B at real
-  size (the drafter is bound by per-operation overhead at 48 tokens per call). It was grown from a 6-layer target
-  (``scripts/train_toy.py`` ``grow_depth``), which cost only ~5x the drafter's time. (A 2-layer, 64-wide drafter
-  never learned to place the object in the first block; see scripts/train_toy.py first_block_loss.)
+  (:mod:`.text`). The target (12 layers, width 256, 13.3M parameters) costs ~15x the drafter's (2 layers, width 128,
+  FFN 1024, 1.0M) multiply-adds per token and ~9x its wall time per block on one CPU thread, like 14B against 1.3B
+  at real size (the drafter is bound by per-operation overhead at 48 tokens per call, so its FFN, widened from 512
+  in issue 29 (``grow_ffn``), cost ~10% more time; more layers or width would have cost 1.3-1.8x). The target was
+  grown from a 6-layer one (``scripts/train_toy.py`` ``grow_depth``), which cost only ~5x the drafter's time. (A
+  2-layer, 64-wide drafter never learned to place the object in the first block; see scripts/train_toy.py
+  first_block_loss.)
 * reward: ``sdvg_engine.reward.ImageRewardModel`` with a tiny config (32x32 ViT), BLIP tokenizer.
 
 Weights live in ``weights/`` as bfloat16 safetensors (loaded as float32); :func:`load_toy_models` checks each file's sha256 against
@@ -30,7 +32,7 @@ FILES = {"vae": "vae.safetensors", "drafter": "drafter.safetensors", "target": "
 VAE_CONFIG = dict(base_dim=8, z_dim=16, num_res_blocks=1)
 _DIT_COMMON = dict(patch_size=(1, 1, 1), in_channels=16, out_channels=16, text_dim=256, freq_dim=256,
                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-DRAFTER_CONFIG = dict(_DIT_COMMON, num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=2)
+DRAFTER_CONFIG = dict(_DIT_COMMON, num_attention_heads=4, attention_head_dim=32, ffn_dim=1024, num_layers=2)
 TARGET_CONFIG = dict(_DIT_COMMON, num_attention_heads=8, attention_head_dim=32, ffn_dim=1024, num_layers=12)
 REWARD_HEADS = dict(vision_heads=2, text_heads=2)
 
@@ -50,12 +52,14 @@ def build_vae(latents_mean=None, latents_std=None):
     return AutoencoderKLWan(**kw)
 
 
-def build_dit(which: str, num_layers: int | None = None):
+def build_dit(which: str, num_layers: int | None = None, ffn_dim: int | None = None):
     from sdvg_engine.models.causal_wan import CausalWanTransformer3DModel
 
     config = dict(DRAFTER_CONFIG if which == "drafter" else TARGET_CONFIG)
     if num_layers is not None:
         config["num_layers"] = num_layers
+    if ffn_dim is not None:
+        config["ffn_dim"] = ffn_dim
     return CausalWanTransformer3DModel(**config)
 
 
