@@ -663,9 +663,13 @@ def grow_ffn(model, narrow) -> None:
     """Initialise ``model`` from a DiT with narrower FFNs, same depth and width (Net2Net widening): every weight is
     copied, each FFN's first ``narrow`` hidden units are the old ones, the new units keep their random input
     weights and get zero output weights, so the wider model computes exactly what ``narrow`` computed."""
-    theirs = narrow.state_dict()
+    theirs, mine = narrow.state_dict(), model.state_dict()
+    if mine.keys() != theirs.keys() or model.config.ffn_dim < narrow.config.ffn_dim:
+        raise ValueError(f"grow_ffn: widens the FFNs of a DiT of the same depth ({len(narrow.blocks)} layers, FFN "
+                         f"{narrow.config.ffn_dim}); got {len(model.blocks)} layers, FFN {model.config.ffn_dim} "
+                         "(grow one thing per run: --layers or --ffn-dim)")
     with torch.no_grad():
-        for name, param in model.state_dict().items():
+        for name, param in mine.items():
             old = theirs[name]
             if param.shape == old.shape:
                 param.copy_(old)

@@ -170,7 +170,11 @@ def test_grow_ffn_starts_as_the_narrow_model(train_toy):
     a, b = _both_forwards(train_toy, narrow, wide, seed=4, timestep=625.0, scene=17)
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="is not an FFN weight"):
-        train_toy.grow_ffn(toy_models.build_dit("target"), narrow)
+        train_toy.grow_ffn(toy_models.build_dit("target", num_layers=2), narrow)  # same depth, another width
+    with pytest.raises(ValueError, match="got 2 layers, FFN 256"):  # narrowing is no widening
+        train_toy.grow_ffn(toy_models.build_dit("drafter", ffn_dim=256), narrow)
+    with pytest.raises(ValueError, match="got 3 layers, FFN 1024"):  # nor is deepening
+        train_toy.grow_ffn(toy_models.build_dit("drafter", num_layers=3), narrow)
 
 
 def test_run_state_resumes_bit_exactly(train_toy, tmp_path):
