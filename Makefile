@@ -45,8 +45,11 @@ e2e:
 	bash scripts/e2e.sh
 
 # On a lent GPU: the CUDA-only tests and bench/real_size.py (resident, fp8, offload, 2 lanes) in <= 9 min -> outputs/gpu_check/.
+# With COMFYUI_PATH (a ComfyUI checkout) and GPU_CHECK_PYTHON (a Python that runs it), the MODEL path there first:
+# ComfyUI's loader, a scaled-fp8 target with real fp8 matmuls, a bf16 drafter (scripts/gpu_model_path.py).
+GPU_CHECK_PYTHON ?= $(VPY)
 gpu-check: venv
-	$(VPY) scripts/gpu_check.py --out outputs/gpu_check
+	$(GPU_CHECK_PYTHON) scripts/gpu_check.py --out outputs/gpu_check $(if $(COMFYUI_PATH),--comfyui $(COMFYUI_PATH))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,9 +4,11 @@ The engine's :class:`~sdvg_engine.models.original_layout.OriginalLayoutCausalWan
 forward over modules in the original Wan layout. This module hands it ComfyUI's own pieces, so whatever the MODEL
 carries applies to every block SDVG makes:
 
-* every op (Linear, Conv3d, LayerNorm, RMSNorm) runs through ``forward_comfy_cast_weights``: ComfyUI's ops (and
-  ComfyUI-GGUF's ``GGMLLayer``) cast the weight to the input's dtype and device there and apply what is attached to
-  them: manual cast, scaled fp8, fp8 matmuls under ``--fast``, LoRA patches of low-VRAM loads (``LowVramPatch``),
+* every op (Linear, Conv3d, LayerNorm, RMSNorm) runs through its own ``forward()``, fed the dtypes ComfyUI's own Wan
+  feeds it (the patch embedding in float32, the time MLP, norms and the rest in the compute dtype): ComfyUI's ops
+  (and ComfyUI-GGUF's ``GGMLLayer``) check the interrupt flag there (newer cores), cast the weight to the input's
+  dtype and device and apply what is attached to them: manual cast, scaled fp8, fp8 / NVFP4 matmuls (scaled-fp8
+  files on fp8-capable GPUs, mixed-precision ops, ``--fast``), LoRA patches of low-VRAM loads (``LowVramPatch``),
   GGUF dequantisation;
 * raw parameters (``modulation``) are read through ``comfy.model_management.cast_to``, as ComfyUI's Wan does;
 * attention is ComfyUI's ``optimized_attention`` (what the launch flags chose: sage, flash, xformers, pytorch,
@@ -25,11 +27,20 @@ ComfyUI, and :func:`wan_source` (the checks of a MODEL) needs none.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["wan_source", "model_view", "patcher_identity", "compute_dtype_of", "ComfyAttention", "describe_model",
-           "dtype_name", "not_applied", "stored_as", "tensor_fingerprint"]
+from sdvg_engine.checks import check_choice
+
+from . import schema
+from .loaders import SDVGModel
+
+if TYPE_CHECKING:
+    from .services import Services
+
+__all__ = ["wan_source", "model_view", "load_model_from_comfy", "patcher_identity", "compute_dtype_of",
+           "ComfyAttention", "describe_model", "dtype_name", "not_applied", "stored_as", "tensor_fingerprint"]
 
 #: ComfyUI's Wan2.1 DiT classes whose forward inputs SDVG's causal forward covers (newer cores have the causal one).
 WAN_CLASSES = ("WanModel", "CausalWanModel")
@@ -85,9 +96,12 @@ def wan_source(model, *, what: str = "model") -> torch.nn.Module:
 
 
 def compute_dtype_of(patcher) -> torch.dtype:
-    """The dtype ComfyUI computes this MODEL in: its manual-cast dtype (fp8 / GGUF storage, or a dtype the device
-    cannot compute in) or else the weights' dtype."""
-    return getattr(patcher.model, "manual_cast_dtype", None) or patcher.model_dtype()
+    """The dtype ComfyUI computes this MODEL in: its manual-cast dtype (fp8 / GGUF storage, a dtype the device cannot
+    compute in, or what the ModelComputeDtype node set) or else the weights' dtype.
+
+    Read through ``get_model_object``: ModelComputeDtype sets it as an object patch of this clone, which ComfyUI
+    writes onto the shared model only while this clone is loaded (the model's attribute may hold another clone's)."""
+    return patcher.get_model_object("manual_cast_dtype") or patcher.model_dtype()
 
 
 class ComfyAttention:
@@ -126,8 +140,12 @@ class ComfyAttention:
 
 
 def _call_op(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Run one ComfyUI op on ``x`` with its weights cast and patched (see the module docstring)."""
-    return module.forward_comfy_cast_weights(x)
+    """Run one ComfyUI op on ``x`` as ComfyUI's own Wan does, through the op's ``forward()``: it checks the interrupt
+    flag (``run_every_op``, newer cores), then either casts and patches the weights (``forward_comfy_cast_weights``)
+    or runs the op's own fast path (fp8 / NVFP4 matmuls of mixed-precision ops, ``--fast``, plain torch when the
+    weights are already in the compute dtype). The engine feeds it the dtypes ComfyUI's Wan feeds it
+    (``ops_in_host_dtypes``)."""
+    return module(x)
 
 
 def model_view(patcher, *, kv_dtype: str = "auto"):
@@ -176,18 +194,39 @@ def stored_as(t: torch.Tensor) -> str:
     return dtype_name(t.dtype)
 
 
+def _applied_by_comfyui(key) -> bool:
+    """Whether ComfyUI applies a weight patch on ``key``: its loader patches the ``weight`` and ``bias`` of modules
+    (``ModelPatcher.load``), never a raw parameter such as a block's ``modulation`` table (a LoRA's ``.diff`` on it
+    is kept in ``patches`` and never used, by ComfyUI's own Wan either)."""
+    name = key[0] if isinstance(key, tuple) else key
+    return str(name).rsplit(".", 1)[-1] in ("weight", "bias")
+
+
 def not_applied(patcher) -> list[str]:
-    """What the MODEL carries for ComfyUI's own forward and sampler that SDVG's block forward does not run: model
-    function wrappers, transformer patches (attn1/attn2 patches and replacements, block patches), patcher wrappers.
-    Weight patches (LoRA), object patches and the attention override do apply."""
+    """What the MODEL carries that SDVG's block forward does not run: model function wrappers, transformer patches
+    (attn1/attn2 patches and replacements, block patches), patcher wrappers, hooks (``hook_patches``, forced hooks),
+    RoPE options, a ``model_sampling`` object patch (the sampling shift: SDVG runs the checkpoint's own schedule), and
+    weight patches on raw parameters, which ComfyUI itself never applies. Weight patches on module weights (LoRA),
+    the compute dtype and the attention override do apply."""
     options = getattr(patcher, "model_options", {}) or {}
     skipped = ["model_function_wrapper"] if options.get("model_function_wrapper") is not None else []
     transformer = options.get("transformer_options", {}) or {}
     for group in ("patches", "patches_replace"):
         skipped += [f"{group}.{name}" for name, entries in (transformer.get(group) or {}).items() if entries]
+    if transformer.get("rope_options"):
+        skipped.append("rope_options")
     for kind, by_key in (getattr(patcher, "wrappers", {}) or {}).items():
         if any(by_key.values()):
             skipped.append(f"wrappers.{kind}")
+    if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None):
+        skipped.append("hooks")
+    if "model_sampling" in (getattr(patcher, "object_patches", None) or {}):
+        skipped.append("model_sampling (shift)")
+    raw = sorted(str(k[0] if isinstance(k, tuple) else k) for k in patcher.patches if not _applied_by_comfyui(k))
+    if raw:
+        shown = ", ".join(name.removeprefix("diffusion_model.") for name in raw[:3])
+        skipped.append(f"weight patches on {len(raw)} raw parameters ({shown}{', ...' if len(raw) > 3 else ''}): "
+                       "ComfyUI never applies them")
     return sorted(skipped)
 
 
@@ -198,17 +237,49 @@ def describe_model(view, patcher) -> dict:
     attention = view.runtime.attention
     out = {"compute_dtype": dtype_name(view.compute_dtype), "weights": "/".join(storage),
            "attention": getattr(attention, "name", _callable_name(attention)),
-           "patched_weights": len(patcher.patches)}
+           "patched_weights": sum(1 for key in patcher.patches if _applied_by_comfyui(key))}
     if getattr(view, "kv_cache_dtype", None) == torch.float8_e4m3fn:
         out["kv_dtype"] = "fp8"
     skipped = not_applied(patcher)
     if skipped:
         out["not_applied"] = skipped
+    is_dynamic = getattr(patcher, "is_dynamic", None)
+    if callable(is_dynamic) and is_dynamic():
+        # dynamic VRAM (0.33+ on CUDA): weights stream per call; the low-VRAM flag below is never set there
+        out["dynamic_vram"] = True
+        return out
     # 0.3.64 keeps the flag on the model, the LTS fork on the patcher's memory measurements
     lowvram = getattr(getattr(patcher, "_memory_measurements", getattr(patcher, "model", None)), "model_lowvram", None)
     if lowvram is not None:
         out["partially_loaded"] = bool(lowvram)
     return out
+
+
+# ============================================================================================ the SDVG_MODEL of a MODEL
+def load_model_from_comfy(model, context_scheme: str = "auto", kv_dtype: str = "auto", *, role: str,
+                          services: Services | None = None) -> SDVGModel:
+    """The work of SDVG Drafter from MODEL / SDVG Target from MODEL: a ComfyUI MODEL (a ModelPatcher around Wan2.1's
+    ``WanModel``) as an ``SDVG_MODEL``, run by the engine's causal forward through ComfyUI's own ops, attention and
+    memory manager (:mod:`nodes.comfy_model`). ``context_scheme`` ``auto`` follows the model (width 5120, the 14B:
+    Krea's recompute window, else the global cache), as the file loaders do from a checkpoint. Nothing is copied:
+    the sampler loads the MODEL's own patcher, and every run of it uses one worker lane."""
+    from sdvg_engine.loaders import checkpoint_schedule
+    from sdvg_engine.models.loading import trained_context_scheme
+    from sdvg_engine.models.original_layout import original_layout_info
+
+    check_choice("role", role, ("drafter", "target"))
+    check_choice("context_scheme", context_scheme, schema.CONTEXT_SCHEMES)
+    check_choice("kv_dtype", kv_dtype, schema.KV_DTYPES)
+    view = model_view(model, kv_dtype=kv_dtype)  # checks the MODEL first (a clear error for non-Wan)
+    own_scheme = trained_context_scheme(view.config)  # as the file loaders decide for a file that does not say
+    info = original_layout_info(view, own_scheme, source="ComfyUI MODEL")
+    return SDVGModel(
+        model=view, info=info, path="ComfyUI MODEL", role=role, dtype=dtype_name(model.model_dtype()),
+        context_scheme=own_scheme if context_scheme == "auto" else context_scheme,
+        schedule=checkpoint_schedule(info.architecture), load_device=torch.device(model.load_device),
+        offload_device=torch.device(model.offload_device), holder=None, patcher=model,
+        requested_context_scheme=context_scheme, backend="comfy",
+    )
 
 
 # ====================================================================================================== identity

@@ -7,6 +7,8 @@ NODE_CLASS_MAPPINGS would make ComfyUI skip it).
 
 from __future__ import annotations
 
+import math
+
 import comfy.model_management as model_management
 import comfy.model_patcher
 import comfy.utils
@@ -20,7 +22,7 @@ except ImportError:
     except ImportError:
         from comfy_api.latest import ComfyExtension, io, ui
 
-from . import compat, logic, schema
+from . import compat, logic, sampler, schema, services
 
 MODEL_FOLDERS = compat.MODEL_FOLDERS
 
@@ -67,7 +69,47 @@ def unload_copies_with_other_patches(patchers) -> list:
     return unloaded
 
 
-class ComfyServices(logic.Services):
+#: ``load_models_gpu`` first frees 1.1 x the weights its models still have to bring to their device, beside the room
+#: (0.3.64, the LTS fork 0.12.1 and 0.33.0 alike).
+FREE_FACTOR = 1.1
+
+
+def weights_to_load(patcher, device) -> int:
+    """Bytes of ``patcher``'s weights that loading it on ``device`` still brings there: ComfyUI's own measure
+    (``LoadedModel.model_memory_required``: the offloaded part of a model loaded there, else all of it)."""
+    return int(model_management.LoadedModel(patcher).model_memory_required(device))
+
+
+def load_in_priority_order(patchers, memory_required: int = 0) -> None:
+    """Load ``patchers`` (first = most important) so that each keeps what it needs before a later one is sized:
+    one ``load_models_gpu`` call per patcher, the last one first, each reserving ``memory_required`` (the room the
+    run allocates beside the weights) plus 1.1 x the weights of the patchers before it on its device.
+
+    Why (docs/dev/memory.md, "Load order in ComfyUI"): in one call ComfyUI sizes each model's partial load in the
+    order it iterates the call's models (a ``set`` in 0.3.64 and the LTS fork, which changes from start to start; the
+    list reversed in 0.33.0) as "everything free but the room": the first MODEL takes the card, the next one gets
+    ComfyUI's minimum, and a model loaded whole (the pack's own) takes its weights out of the room. And every call
+    first frees 1.1 x its model's missing weights beside the room, taking the model itself off ComfyUI's list of
+    loaded models first: for a model that does not fit whole beside the room (the target) that unloads every other
+    model on the device, earlier calls' models included. So the target loads first and the others after it, into
+    what it left.
+
+    The reservation counts the whole weights of the models before it, unless the model loaded is on the device in
+    full already (a call for it then frees no more than the room, and what the others still miss is reserved). Where
+    ComfyUI's floor gives the first model more than asked (``MIN_WEIGHT_MEMORY_RATIO`` 0.4 off NVIDIA), the next
+    call frees the shortfall from the most offloaded model first: the target."""
+    order = list(dict.fromkeys(patchers))
+    for k in range(len(order) - 1, -1, -1):
+        patcher = order[k]
+        device = patcher.load_device
+        in_full = weights_to_load(patcher, device) == 0
+        ahead = sum(weights_to_load(p, device) if in_full else int(model_management.LoadedModel(p).model_memory())
+                    for p in order[:k] if p.load_device == device)
+        room = int(memory_required) + math.ceil(FREE_FACTOR * ahead)
+        model_management.load_models_gpu([patcher], memory_required=room, force_full_load=False)
+
+
+class ComfyServices(services.Services):
     """ComfyUI's memory manager, progress bar, interrupt flag and model folders for ``logic``."""
 
     def __init__(self, node_id: str | None = None):
@@ -91,11 +133,13 @@ class ComfyServices(logic.Services):
         self.load_run(patchers)
 
     def load_run(self, patchers, memory_required=0):
-        # One call for the whole run (a later call could evict a model of this run). Partial loads are allowed: the
-        # MODEL patchers (ComfyUI's own modules) stream what does not fit; the pack's own WholeModulePatchers still
-        # load whole. memory_required reserves the KV caches, VAE state and activations ComfyUI cannot see.
+        # patchers in load priority (run_sampler: the VAE and the reward, loaded whole, then the drafter, then the
+        # target, which gets what is left). Partial loads are allowed: the MODEL patchers (ComfyUI's own modules)
+        # stream what does not fit; the pack's own WholeModulePatchers load whole. memory_required reserves the KV
+        # caches, VAE state and activations ComfyUI cannot see; the weights of the models before each one are
+        # reserved on top (load_in_priority_order).
         unload_copies_with_other_patches(patchers)
-        model_management.load_models_gpu(list(patchers), memory_required=int(memory_required), force_full_load=False)
+        load_in_priority_order(patchers, int(memory_required))
 
     def check_interrupt(self):
         model_management.throw_exception_if_processing_interrupted()
@@ -113,7 +157,7 @@ class ComfyServices(logic.Services):
     def progress(self, value, total, preview=None):
         if self._bar is None:
             self._bar = comfy.utils.ProgressBar(total, node_id=self.node_id)
-        self._bar.update_absolute(value, total, ("JPEG", preview, logic.PREVIEW_MAX_PX) if preview is not None else None)
+        self._bar.update_absolute(value, total, ("JPEG", preview, sampler.PREVIEW_MAX_PX) if preview is not None else None)
 
     def list_files(self, folders):
         names = []

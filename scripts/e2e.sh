@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The real-ComfyUI check, on two ComfyUIs: 0.3.64 (Comfy-Org/ComfyUI, Oct 2025) and the LTS fork 0.12.1
-# (hiddenswitch/pip-and-uv-installable-ComfyUI, Feb 2026). For each:
+# The real-ComfyUI check, on three ComfyUIs: 0.3.64 (Comfy-Org/ComfyUI, Oct 2025), the LTS fork 0.12.1
+# (hiddenswitch/pip-and-uv-installable-ComfyUI, Feb 2026) and upstream 0.33.0 (yzkee/ComfyUI mirror, Aug 2026). For each:
 #   1. tests/test_comfyui_e2e.py against a server started from that checkout: every shipped workflow over HTTP
 #      (the file loaders and the ComfyUI-native MODEL workflows with tiny LoRAs), MODEL path == the pack's loaders,
 #      LoRA == offline merge, GGUF Q8_0 == its dequantised reference, interrupt, replay, queue-time errors, and every
 #      UI workflow loaded into the server's own frontend in headless Chromium (screenshots in .e2e/screenshots/<name>/);
-#   2. tests/test_comfy_model.py (the MODEL adapter in process) under that ComfyUI's interpreter, when present;
+#   2. tests/test_comfy_model.py (the MODEL adapter in process) and tests/test_load_order.py (load order and room:
+#      real-size models, simulated cards) under that ComfyUI's interpreter, when present;
 #   3. on 0.3.64 the UI check again in the current frontend (comfyui-frontend-package 1.58.1, --front-end-root); the
 #      LTS fork's own frontend is that package already.
 #
@@ -15,11 +16,15 @@
 #                                 gguf, this pack (editable), Playwright
 #   .e2e/lts + .e2e/lts-venv      the LTS fork at LTS_COMMIT (SDVG_E2E_LTS_PATH overrides), installed editable with the
 #                                 constraints below (about 4.5 min from scratch)
-#   <checkout>/custom_nodes/ComfyUI-GGUF   city96/ComfyUI-GGUF at GGUF_COMMIT, in 0.3.64 only: it does not import in
-#                                 the LTS fork (its folder_names_and_paths.get(key, default) raises there), whose core
-#                                 reads .gguf files itself (Load Diffusion Model loads them).
+#   .e2e/upstream + .e2e/upstream-venv   ComfyUI 0.33.0 (SDVG_E2E_UP33_PATH overrides the checkout), torch 2.14.1 and
+#                                 torchaudio (0.33.0's comfy.sd imports it), its requirements (comfy-aimdo, comfy-kitchen,
+#                                 frontend 1.49.6), gguf, this pack (editable), Playwright
+#   <checkout>/custom_nodes/ComfyUI-GGUF   city96/ComfyUI-GGUF at GGUF_COMMIT, in 0.3.64 and 0.33.0: it does not import
+#                                 in the LTS fork (its folder_names_and_paths.get(key, default) raises there), whose core
+#                                 reads .gguf files itself (Load Diffusion Model loads them). Without access to GitHub,
+#                                 SDVG_E2E_GGUF_GIT names a local clone (any clone that has GGUF_COMMIT).
 # Chromium: Debian's (apt-get install chromium) or SDVG_CHROMIUM.
-# SDVG_E2E_COMFYUIS="0.3.64 lts" picks which to run; extra arguments go to pytest (e.g. -k native).
+# SDVG_E2E_COMFYUIS="0.3.64 lts 0.33.0" picks which to run; extra arguments go to pytest (e.g. -k native).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -49,20 +54,25 @@ prepare_upstream() {
   fi
   UP_PATH=$(cd "$UP_PATH" && pwd)
   UP_ENV=${SDVG_E2E_ENV:-$ROOT/.e2e/venv}
-  local stamp="$UP_ENV/.sdvg-e2e-$(cat "$UP_PATH/requirements.txt" pyproject.toml | sha256sum | cut -c1-16)"
-  if [ ! -f "$stamp" ]; then
-    say "building the ComfyUI $UPSTREAM_TAG environment in $UP_ENV (once; several GB)"
-    python3 -m venv "$UP_ENV" || die "python3 -m venv failed"
-    "$UP_ENV/bin/pip" install -q "torch==2.14.1" "torchvision==0.29.1" || die "torch install failed"
-    grep -v -E '^(torch|torchvision|torchaudio)([<>=!~ ].*)?$' "$UP_PATH/requirements.txt" > "$UP_ENV/comfyui-requirements.txt"
-    "$UP_ENV/bin/pip" install -q -r "$UP_ENV/comfyui-requirements.txt" || die "ComfyUI's requirements failed to install"
-    "$UP_ENV/bin/pip" install -q -e ".[test,video]" playwright gguf || die "the pack / playwright / gguf failed to install"
-    touch "$stamp"
-  else
-    echo "ComfyUI $UPSTREAM_TAG: reusing $UP_PATH and $UP_ENV"
-  fi
+  build_requirements_env "$UPSTREAM_TAG" "$UP_PATH" "$UP_ENV"
   "$UP_ENV/bin/python" -c "import gguf" 2>/dev/null || "$UP_ENV/bin/pip" install -q gguf || die "pip install gguf failed"
   install_gguf_nodes "$UP_PATH"
+}
+
+build_requirements_env() {  # label, checkout, venv, extra torch packages...: a venv from the checkout's requirements.txt
+  local label=$1 path=$2 env=$3; shift 3
+  local stamp="$env/.sdvg-e2e-$(cat "$path/requirements.txt" pyproject.toml | sha256sum | cut -c1-16)"
+  if [ -f "$stamp" ]; then
+    echo "ComfyUI $label: reusing $path and $env"
+    return
+  fi
+  say "building the ComfyUI $label environment in $env (once; several GB)"
+  python3 -m venv "$env" || die "python3 -m venv failed"
+  "$env/bin/pip" install -q "torch==2.14.1" "torchvision==0.29.1" "$@" || die "torch install failed"
+  grep -v -E '^(torch|torchvision|torchaudio)([<>=!~ ].*)?$' "$path/requirements.txt" > "$env/comfyui-requirements.txt"
+  "$env/bin/pip" install -q -r "$env/comfyui-requirements.txt" || die "ComfyUI $label's requirements failed to install"
+  "$env/bin/pip" install -q -e ".[test,video]" playwright gguf || die "the pack / playwright / gguf failed to install"
+  touch "$stamp"
 }
 
 install_gguf_nodes() {  # city96/ComfyUI-GGUF into $1/custom_nodes, at GGUF_COMMIT
@@ -145,6 +155,30 @@ prepare_lts() {
   fi
 }
 
+# ---- upstream ComfyUI 0.33.0 -------------------------------------------------------------------------------------
+# A plain mirror of upstream at 0.33.0 (Aug 2026): core's causal Wan (comfy/ldm/wan/ar_model.py), dynamic VRAM
+# (comfy-aimdo; off on the CPU) and mixed-precision ops. Two large tokenizer blobs are missing from the mirror; nothing
+# here reads them. ComfyUI-GGUF is installed there as in 0.3.64.
+UP33_REPO=${SDVG_E2E_UP33_GIT:-https://github.com/yzkee/ComfyUI}
+prepare_upstream33() {
+  UP33_PATH=${SDVG_E2E_UP33_PATH:-$ROOT/.e2e/upstream}
+  if [ ! -f "$UP33_PATH/main.py" ]; then
+    say "ComfyUI 0.33.0: not in $UP33_PATH; cloning $UP33_REPO"
+    git clone -q --no-checkout "$UP33_REPO" "$UP33_PATH" || die "could not clone $UP33_REPO"
+    git -C "$UP33_PATH" checkout -q HEAD -- . 2>/dev/null || echo "(some large files were not checked out; not needed)"
+    [ -f "$UP33_PATH/main.py" ] || die "the 0.33.0 checkout in $UP33_PATH has no main.py"
+  fi
+  UP33_PATH=$(cd "$UP33_PATH" && pwd)
+  grep -q '"0.33.0"' "$UP33_PATH/comfyui_version.py" || echo "note: $UP33_PATH is not 0.33.0: $(tail -1 "$UP33_PATH/comfyui_version.py")"
+  UP33_ENV=${SDVG_E2E_UP33_ENV:-$ROOT/.e2e/upstream-venv}
+  # torchaudio too: 0.33.0's comfy/sd.py imports it at start (an LTX audio VAE); its newest build (2.11.1) asks for
+  # torch>=2.11 and imports with 2.14.1.
+  build_requirements_env 0.33.0 "$UP33_PATH" "$UP33_ENV" torchaudio
+  "$UP33_ENV/bin/python" -c "import torchaudio" 2>/dev/null || "$UP33_ENV/bin/pip" install -q "torch==2.14.1" torchaudio \
+    || die "pip install torchaudio failed (0.33.0's comfy.sd imports it)"
+  install_gguf_nodes "$UP33_PATH"
+}
+
 # ---- runs --------------------------------------------------------------------------------------------------------
 SUMMARY=()
 FAILED=0
@@ -168,7 +202,7 @@ run_pytest() {  # label, python, comfyui path, basetemp, env..., -- pytest args
 check_comfyui() {  # name, checkout, venv
   local name=$1 path=$2 env=$3 shots="$ROOT/.e2e/screenshots/$1"
   local common=(SDVG_E2E_UI=1 SDVG_CHROMIUM="$CHROMIUM" SDVG_E2E_SCREENSHOTS="$shots")
-  [ "$name" = "0.3.64" ] && common+=(SDVG_E2E_REQUIRE_GGUF=1)
+  case "$name" in 0.3.64|0.33.0) common+=(SDVG_E2E_REQUIRE_GGUF=1) ;; esac
   say "ComfyUI $name ($path): the server-level check"
   run_pytest "ComfyUI $name: server e2e" "$env/bin/python" "$path" "$ROOT/.e2e/run-$name" "${common[@]}" -- \
     tests/test_comfyui_e2e.py "${PYTEST_ARGS[@]}"
@@ -177,6 +211,18 @@ check_comfyui() {  # name, checkout, venv
     run_pytest "ComfyUI $name: test_comfy_model.py" "$env/bin/python" "$path" "$ROOT/.e2e/run-$name-inproc" -- \
       tests/test_comfy_model.py "${PYTEST_ARGS[@]}"
   fi
+  if [ -f tests/test_load_order.py ]; then
+    say "ComfyUI $name: tests/test_load_order.py in process (load order and room, real-size models on simulated cards)"
+    run_pytest "ComfyUI $name: test_load_order.py" "$env/bin/python" "$path" "$ROOT/.e2e/run-$name-load-order" -- \
+      tests/test_load_order.py "${PYTEST_ARGS[@]}"
+  fi
+  say "ComfyUI $name: scripts/gpu_model_path.py --tiny (make gpu-check's MODEL path, an fp8 card emulated)"
+  local started=$(date +%s)
+  "$env/bin/python" scripts/gpu_model_path.py --comfyui "$path" --tiny --repeats 1 --out "$ROOT/.e2e/model-path-$name" \
+    > "$ROOT/.e2e/model-path-$name.log" 2>&1
+  local rc=$?
+  SUMMARY+=("ComfyUI $name: gpu_model_path.py --tiny: exit $rc ($(( $(date +%s) - started )) s; log .e2e/model-path-$name.log)")
+  [ "$rc" -eq 0 ] || FAILED=1
   if [ "$name" = "0.3.64" ] && [ "$FE_VERSION" != none ]; then
     # The UI check again in the current frontend, served by the same server with --front-end-root:
     # SDVG_E2E_FRONTEND_VERSION picks it, SDVG_E2E_FRONTEND_ROOT names an unpacked static/ folder, none skips it.
@@ -195,11 +241,14 @@ check_comfyui() {  # name, checkout, venv
 }
 
 PYTEST_ARGS=("$@")
-for which in ${SDVG_E2E_COMFYUIS:-0.3.64 lts}; do
+# SDVG_E2E_PREPARE_ONLY=1 builds the checkouts and environments and runs nothing.
+check() { [ -n "${SDVG_E2E_PREPARE_ONLY:-}" ] || check_comfyui "$@"; }
+for which in ${SDVG_E2E_COMFYUIS:-0.3.64 lts 0.33.0}; do
   case "$which" in
-    0.3.64) prepare_upstream && check_comfyui 0.3.64 "$UP_PATH" "$UP_ENV" ;;
-    lts) prepare_lts && check_comfyui 0.12.1-lts "$LTS_PATH" "$LTS_ENV" ;;
-    *) die "SDVG_E2E_COMFYUIS: unknown '$which' (use 0.3.64 and/or lts)" ;;
+    0.3.64) prepare_upstream && check 0.3.64 "$UP_PATH" "$UP_ENV" ;;
+    lts) prepare_lts && check 0.12.1-lts "$LTS_PATH" "$LTS_ENV" ;;
+    0.33.0) prepare_upstream33 && check 0.33.0 "$UP33_PATH" "$UP33_ENV" ;;
+    *) die "SDVG_E2E_COMFYUIS: unknown '$which' (use 0.3.64, lts and/or 0.33.0)" ;;
   esac
 done
 

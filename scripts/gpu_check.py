@@ -4,6 +4,10 @@ it cannot rot before a GPU is lent).
 
     python scripts/gpu_check.py --out outputs/gpu_check          # on the GPU machine, at most ~9 minutes
     python scripts/gpu_check.py --tiny --out /tmp/gpu_check      # CPU, tiny
+
+With a ComfyUI checkout (``--comfyui`` or ``COMFYUI_PATH``; run with that ComfyUI's Python) it first runs the MODEL
+path there (``scripts/gpu_model_path.py``: ComfyUI's loader with a scaled-fp8 target and a bf16 drafter, real fp8
+matmuls on sm_89+ cards, against the pack's file loaders).
 """
 
 from __future__ import annotations
@@ -68,10 +72,39 @@ def run_bench(out: Path, tiny: bool, budget_s: float, started: float) -> list[di
     return rows
 
 
+def run_model_path(out: Path, comfyui: str, tiny: bool, timeout: float) -> dict:
+    """scripts/gpu_model_path.py on the ComfyUI checkout ``comfyui`` (its JSON, or the failure's tail)."""
+    argv = [sys.executable, str(ROOT / "scripts" / "gpu_model_path.py"), "--comfyui", comfyui, "--out", str(out)]
+    if tiny:
+        argv += ["--tiny", "--repeats", "1"]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "seconds": round(timeout, 1)}
+    (out / "model_path.log").write_text(proc.stdout + proc.stderr)
+    row = {"ok": proc.returncode == 0, "returncode": proc.returncode,
+           "seconds": round(time.perf_counter() - started, 1)}
+    if (out / "model_path.json").is_file():
+        row["result"] = json.loads((out / "model_path.json").read_text())
+    if proc.returncode != 0:
+        row["error"] = proc.stderr[-3000:]
+    return row
+
+
 def markdown(report: dict) -> str:
     lines = [f"# GPU check, {report['date']} ({report['device']})", "",
-             f"CUDA-only tests: {report['tests']['summary']} ({report['tests']['seconds']} s)", "",
-             "| configuration | run | wall s | vs target-only | peak GiB |", "|---|---|---|---|---|"]
+             f"CUDA-only tests: {report['tests']['summary']} ({report['tests']['seconds']} s)", ""]
+    model_path = report.get("model_path")
+    if model_path is not None:
+        r = model_path.get("result") or {}
+        fp8 = r.get("fp8_matmuls", {})
+        lines += [f"MODEL path ({r.get('comfyui', '?')}): {'ok' if model_path['ok'] else 'FAILED: see JSON'}; "
+                  f"fp8 matmuls per target DiT call {fp8.get('per_dit_call')} (fp8 Linears: "
+                  f"{fp8.get('fp8_linears_per_dit_call')}); MODEL path / file loaders: target_only "
+                  f"{r.get('target_only', {}).get('model_path_over_file_loaders')}x, first_block_only "
+                  f"{r.get('first_block_only', {}).get('model_path_over_file_loaders')}x", ""]
+    lines += ["| configuration | run | wall s | vs target-only | peak GiB |", "|---|---|---|---|---|"]
     for row in report["bench"]:
         if "result" not in row:
             lines.append(f"| {row['config']} | {row.get('skipped') or 'failed: see JSON'} | | | |")
@@ -90,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "outputs" / "gpu_check"))
     p.add_argument("--tiny", action="store_true", help="CPU, tiny configs (CI)")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for everything (default 9 min)")
+    p.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH") or None,
+                   help="a ComfyUI checkout: also check the MODEL path there (default: $COMFYUI_PATH)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     out = Path(args.out)
@@ -99,14 +134,18 @@ def main(argv=None) -> int:
     if not args.tiny and not torch.cuda.is_available():
         p.error("no CUDA device is visible: run this on the GPU machine, or pass --tiny")
     device = "CPU (tiny configs)" if args.tiny else torch.cuda.get_device_name(0)
+    model_path = run_model_path(out, args.comfyui, args.tiny, args.budget_s / 4) if args.comfyui else None
     tests = run_tests(out, args.tiny, timeout=args.budget_s / 3)
     bench = run_bench(out, args.tiny, args.budget_s, started)
     report = {"date": datetime.date.today().isoformat(), "device": device, "torch": torch.__version__,
               "tests": tests, "bench": bench, "seconds": round(time.perf_counter() - started, 1)}
+    if model_path is not None:
+        report["model_path"] = model_path
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     (out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
-    failed = not tests["ok"] or any(r.get("returncode", 0) != 0 for r in bench)
+    failed = not tests["ok"] or any(r.get("returncode", 0) != 0 for r in bench) or (
+        model_path is not None and not model_path["ok"])
     return 1 if failed else 0
 
 

@@ -8,7 +8,11 @@ Regenerate (only when an output change is intended, and say why in the commit):
 ``.venv/bin/python tests/test_bit_identical.py --capture``.
 
 The digests are bytes of float computations: another torch version (or another CPU's kernels) may legitimately
-round differently, so a torch version other than the recorded one skips the comparison instead of failing.
+round differently, so a torch version other than the recorded one skips the comparison instead of failing. CPUs:
+the first recording (``cases``, 2026-12-04) did not note its CPU; ``machines`` holds the recordings of other CPUs by
+:func:`machine`, made from a commit that still passed on the first one. A run compares with its own CPU's recording
+where there is one, else it must equal one of the recordings. A new kind of CPU is added with
+``.venv/bin/python tests/test_bit_identical.py --capture-machine`` (the recorded thresholds are kept).
 """
 
 from __future__ import annotations
@@ -144,6 +148,39 @@ def _golden() -> dict:
     return json.loads(GOLDEN.read_text())
 
 
+def machine() -> str:
+    """The CPU features that pick PyTorch's CPU kernels: ATen's capability level and the matrix / low-precision
+    extensions oneDNN and MKL dispatch on."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        pass
+    extras = sorted(flags & {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16", "avx512_bf16", "avx512_vnni",
+                             "avx_vnni"})
+    return "+".join([torch.backends.cpu.get_cpu_capability(), *extras])
+
+
+def capture_machine() -> None:
+    """Add this CPU's outputs under ``machines``, with the recorded thresholds (the decisions must stay the same)."""
+    torch.set_num_threads(1)
+    golden = _golden()
+    cases = {}
+    for preset in PRESETS:
+        for case in CASES:
+            one = run_case(case, preset, 1, golden["taus"])
+            if one != run_case(case, preset, 2, golden["taus"]):
+                raise SystemExit(f"{preset}/{case}: 1 and 2 workers differ; fix that first")
+            if one["decisions"] and [d[:3] for d in one["decisions"]] != [
+                    d[:3] for d in golden["cases"][f"{preset}/{case}"]["decisions"]]:
+                raise SystemExit(f"{preset}/{case}: other decisions than the first recording's on this CPU")
+            cases[f"{preset}/{case}"] = one
+    golden.setdefault("machines", {})[machine()] = {"torch": torch.__version__, "cases": cases}
+    GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
+    print(f"wrote {len(cases)} cases for {machine()} to {GOLDEN}")
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("case", list(CASES))
@@ -152,8 +189,11 @@ def test_outputs_equal_the_recorded_ones(case, preset, workers):
     if golden["torch"] != torch.__version__:
         pytest.skip(f"golden outputs were recorded with torch {golden['torch']}, this is {torch.__version__}: "
                     "float results may round differently (recapture with --capture on a known-good commit)")
-    expected = golden["cases"][f"{preset}/{case}"]
+    key = f"{preset}/{case}"
+    own = golden.get("machines", {}).get(machine())
+    recordings = [own["cases"]] if own else [golden["cases"], *(m["cases"] for m in golden.get("machines", {}).values())]
     got = run_case(case, preset, workers, golden["taus"])
+    expected = next((r[key] for r in recordings if r[key] == got), recordings[0][key])
     if got != expected:
         wrong = [k for k in expected if got.get(k) != expected[k]]
         pytest.fail(f"{preset}/{case} with {workers} worker(s): {', '.join(wrong)} differ from the outputs recorded "
@@ -174,5 +214,7 @@ def test_the_golden_cases_exercise_what_they_name():
     assert cases["reference/sdvg"]["frames"] != cases["native/sdvg"]["frames"]
 
 
-if __name__ == "__main__" and "--capture" in sys.argv:
+if __name__ == "__main__" and "--capture-machine" in sys.argv:
+    capture_machine()
+elif __name__ == "__main__" and "--capture" in sys.argv:
     capture()

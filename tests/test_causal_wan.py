@@ -28,7 +28,9 @@ def test_single_block_matches_diffusers(model, text, t, size):
     reference = model(x, torch.tensor([t]), ctx, return_dict=False)[0]
     ours = model.forward_block(x, torch.full((1, 3), t), text_kv)
     assert ours.shape == reference.shape == (1, 16, 3, *size)
-    assert (ours - reference).abs().max().item() <= 1e-4
+    # Ours computes the timestep sinusoid in float64 as Wan's original code does; diffusers in float32, whose rounding
+    # of t * freq grows with t: measured (diffusers 0.42.1) 0.9-1.1e-4 at t = 1000, 4e-6 at t = 0, outputs ~5.
+    assert (ours - reference).abs().max().item() <= (2e-4 if t > 500 else 2e-5)
 
 
 def _blocks_and_times(num_blocks, size=(4, 6), seed=7):

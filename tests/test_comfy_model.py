@@ -21,34 +21,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfyui_in_process import import_comfyui, is_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
-if not (COMFYUI_PATH and (Path(COMFYUI_PATH) / "comfy" / "model_management.py").is_file()):
+if not is_checkout(COMFYUI_PATH):
     pytest.skip("in-process ComfyUI tests: set COMFYUI_PATH to a ComfyUI checkout and run them with its Python, e.g. "
                 "COMFYUI_PATH=.e2e/ComfyUI .e2e/venv/bin/python -m pytest -p no:xdist tests/test_comfy_model.py",
                 allow_module_level=True)
-
-sys.path.insert(0, str(ROOT))  # the pack's `nodes` package, ahead of ComfyUI's own nodes.py
-if COMFYUI_PATH not in sys.path:
-    sys.path.append(COMFYUI_PATH)
-if "comfy.model_management" not in sys.modules:
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True  # --cpu: read by comfy.model_management when it is first imported
+mm = import_comfyui(COMFYUI_PATH)  # --cpu
 
 import comfy.ldm.modules.attention as comfy_attention  # noqa: E402
-import comfy.model_management as mm  # noqa: E402
 import comfy.model_patcher  # noqa: E402
 import comfy.sd  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-
-try:
-    import folder_paths  # noqa: E402,F401  (upstream: a top-level module of the checkout)
-except ImportError:  # the LTS fork: comfy.cmd.folder_paths, which its custom-node loader aliases the same way
-    from comfy.cmd import folder_paths  # noqa: E402
-
-    sys.modules["folder_paths"] = folder_paths
 
 from nodes import comfy_model, comfy_nodes, logic  # noqa: E402
 from node_fixtures import FakeComfyVAE  # noqa: E402
@@ -203,12 +189,14 @@ def test_the_model_path_equals_the_packs_loader(files, vae, comfy_vae, load_call
     assert not report["settings"]["workers"]["parallel"]
     assert report["settings"]["workers"]["one_lane"].startswith("the drafter and the target are ComfyUI MODEL")
     assert "one_lane" not in own_report["settings"]["workers"]
-    # One load call for the run: both MODELs (their own patchers) and the converted VAE, partial loads allowed, with
-    # room for the KV caches, the VAE state and the activations.
-    [(models, kwargs)] = load_calls
-    assert drafter.patcher in models and target.patcher in models and len(models) == 3
-    assert kwargs == {"memory_required": report["memory_required"]["bytes"], "force_full_load": False}
-    assert report["memory_required"]["bytes"] == sum(report["memory_required"]["components"].values()) > 0
+    # One load call per model of the run (their own patchers, then the converted VAE), the target first: each with
+    # room for the KV caches, the VAE state and the activations plus the weights of the models loaded after it
+    # (tests/test_load_order.py), partial loads allowed.
+    assert [models for models, _ in load_calls][:2] == [[target.patcher], [drafter.patcher]] and len(load_calls) == 3
+    room = report["memory_required"]["bytes"]
+    assert load_calls[-1][1] == {"memory_required": room, "force_full_load": False}
+    assert all(kwargs["memory_required"] >= room and not kwargs["force_full_load"] for _, kwargs in load_calls)
+    assert room == sum(report["memory_required"]["components"].values()) > 0
 
 
 def test_masked_calls_keep_their_mask_whatever_backend_comfyui_chose(files, monkeypatch):
@@ -490,3 +478,204 @@ def test_two_clones_of_one_model_with_other_patches_are_refused(files, comfy_vae
         sample(drafter, target, comfy_nodes.ComfyServices(), comfy_vae)
     same = sample(drafter, logic.load_model_from_comfy(base, role="target"), comfy_nodes.ComfyServices(), comfy_vae)
     assert same.frames.shape[0] == FRAMES
+
+
+# ------------------------------------------------------------------------------------- CUDA's rules (fp8 matmuls)
+def _fp8_model(kind, files, tmp_path):
+    """A MODEL as an fp8 card loads it: Load Diffusion Model on a ``*_fp8_scaled`` file (+ LoRA), or with weight_dtype
+    ``fp8_e4m3fn_fast`` (fp8 matmuls) / ``fp8_e4m3fn`` (storage only); Unet Loader (GGUF) on a Q8_0 file."""
+    from cuda_rules import fp8_card
+
+    with fp8_card(mm):
+        if kind.startswith("fp8_scaled"):
+            path = write_scaled_fp8(tiny_wan(seed=1), tmp_path / "wan_fp8_scaled.safetensors", marker=PREFIX + "scaled_fp8")
+            patcher = comfy.sd.load_diffusion_model(str(path))
+            if kind.endswith("lora"):
+                lora = make_lora(original_state(files["drafter"]), seed=5)
+                patcher = comfy.sd.load_lora_for_models(patcher, None, lora, 0.8, 0)[0]
+        elif kind == "fp8_e4m3fn_fast":
+            patcher = comfy.sd.load_diffusion_model(str(files["drafter"]), model_options={
+                "dtype": torch.float8_e4m3fn, "fp8_optimizations": True})
+        elif kind == "fp8_e4m3fn":
+            patcher = unet(files["drafter"], torch.float8_e4m3fn)
+        else:
+            gguf_nodes = _comfyui_gguf()
+            from e2e_fixtures import write_q8_0_gguf
+
+            write_q8_0_gguf(files["drafter"], tmp_path / "wan.gguf", tmp_path / "dequantised.safetensors")
+            ops = gguf_nodes.ops.GGMLOps()
+            ops.Linear.dequant_dtype = ops.Linear.patch_dtype = None
+            loaded = comfy.sd.load_diffusion_model_state_dict(
+                gguf_nodes.loader.gguf_sd_loader(str(tmp_path / "wan.gguf")), model_options={"custom_operations": ops})
+            patcher = gguf_nodes.nodes.GGUFModelPatcher.clone(loaded)
+    return patcher
+
+
+@pytest.mark.parametrize("kind", ["fp8_scaled", "fp8_scaled_lora", "fp8_e4m3fn_fast", "fp8_e4m3fn", "gguf_q8_0"])
+def test_the_model_path_runs_under_cudas_rules_with_comfyuis_fp8_matmuls(kind, files, comfy_vae, tmp_path):
+    """On an fp8 card ComfyUI's ops call ``torch._scaled_mm`` (CUDA's checks in front, ``tests/cuda_rules.py``). The
+    MODEL path feeds them what ComfyUI's own Wan does, so per DiT call it makes the same fp8 matmuls (the text
+    projections once per prompt) and a whole run passes CUDA's checks (before: a float32 time MLP, refused with
+    "Bias is not supported when out_dtype is set to Float32" at block 0)."""
+    from cuda_rules import cuda_scaled_mm
+
+    with torch.inference_mode():  # as ComfyUI's executor runs every node (a LoRA's fp8 re-rounding needs it)
+        _run_under_cudas_rules(kind, files, comfy_vae, tmp_path, cuda_scaled_mm)
+
+
+def _run_under_cudas_rules(kind, files, comfy_vae, tmp_path, cuda_scaled_mm):
+    patcher = _fp8_model(kind, files, tmp_path)
+    model = logic.load_model_from_comfy(patcher, role="drafter")
+    assert model.model.compute_dtype == torch.bfloat16
+    mm.load_models_gpu([patcher])
+    source = patcher.get_model_object("diffusion_model")
+    x = torch.randn(1, 16, 3, H // 8, W // 8, generator=torch.Generator().manual_seed(4), dtype=torch.bfloat16)
+    context = POSITIVE[0][0].to(torch.bfloat16)
+    with cuda_scaled_mm() as comfy_log, torch.no_grad():  # ComfyUI's own Wan, one call (timestep per frame)
+        source(x, torch.full((1, 3), 937.5), context)
+    with cuda_scaled_mm() as ours:
+        text_kv = model.model.encode_text(context)
+        model.model.forward_block(x, torch.full((1, 3), 937.5), text_kv, model.model.new_kv_cache(1, H // 8, W // 8, 3))
+
+    def weights(log):  # one (K x N) weight, output dtype, bias dtype per matmul; the rows differ (time MLP per frame)
+        return sorted((str(mat2), str(out), str(bias)) for _, mat2, out, bias in log.calls)
+
+    assert comfy_log.refused == [] and ours.refused == []
+    assert weights(ours) == weights(comfy_log)
+    if kind.startswith("fp8_scaled"):  # fp8_e4m3fn_fast: 0.3.64's fp8_ops skip them for a model in training mode,
+        assert len(ours) > 0          # as ComfyUI leaves its WanModel; ComfyUI's own Wan is the reference there
+    with cuda_scaled_mm() as run:
+        out = sample(model, None, comfy_nodes.ComfyServices(), comfy_vae, mode="draft_only")
+    assert run.refused == [] and out.result.latents.isfinite().all()
+    mm.unload_all_models()
+
+
+# ------------------------------------------------------------------------------------- dynamic VRAM (0.33.0, a stand-in)
+def _dynamic_stand_in(patcher):
+    """``patcher``'s model under ComfyUI 0.33.0's ModelPatcherDynamic with the CPU as its load device. Core hands a CPU
+    load device the plain patcher (``ModelPatcherDynamic.__new__``), and dynamic VRAM is off under ``--cpu``; this
+    stand-in builds the dynamic patcher anyway (comfy-aimdo's host buffers work without a GPU), so its ``load`` runs:
+    every op is switched to per-call casting (``comfy_cast_weights``) with its LoRA patch attached as
+    ``weight_lowvram_function``, small ops and non-op parameters (``modulation``) are loaded whole. What it cannot show:
+    aimdo's VRAM (``_vbar_get`` is None on the CPU, so no op gets a ``_v`` and ``cast_bias_weight`` takes its plain
+    path, which does not apply ``weight_lowvram_function``: a LoRA on the larger ops is left out here, by core's own
+    forward alike) and unloading (``partially_unload`` asserts a non-CPU device). docs/dev/dynamic_vram.md."""
+    import importlib
+
+    if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
+        pytest.skip("this ComfyUI has no dynamic VRAM (ModelPatcherDynamic: 0.33.0 and later)")
+    import comfy_aimdo.control
+    import comfy_aimdo.host_buffer
+
+    if comfy_aimdo.host_buffer.lib is None:  # main.py loads comfy-aimdo's library only where dynamic VRAM is on
+        if not comfy_aimdo.control.init():
+            pytest.skip("comfy-aimdo's library does not load here")
+        importlib.reload(comfy_aimdo.host_buffer)  # it binds the library when imported (comfy imported it before)
+    dynamic = object.__new__(comfy.model_patcher.ModelPatcherDynamic)  # past __new__'s reroute of CPU load devices
+    dynamic.__init__(patcher.model, CPU, CPU)
+    dynamic.patches, dynamic.patches_uuid = patcher.patches, patcher.patches_uuid  # a LoRA clone's patches
+    return dynamic
+
+
+def _forget(patcher):
+    """Take a stand-in patcher off ComfyUI's loaded list (it cannot be unloaded: see _dynamic_stand_in)."""
+    patcher.restore_loaded_backups()
+    mm.current_loaded_models[:] = [m for m in mm.current_loaded_models if m.model is not patcher]
+
+
+def test_the_model_path_under_a_dynamic_vram_stand_in(files, vae, comfy_vae, tmp_path):
+    """0.33.0's dynamic loading (ModelPatcherDynamic.load through the run's one load_models_gpu call, beside the pack's
+    own whole-loading patcher) of a core causal-AR file (``sdvg export-comfy``'s export: CausalWanModel): the MODEL
+    path still equals the file loaders; with a LoRA, SDVG's forward over the ops equals core's own
+    ``CausalWanModel.forward_block`` on the same loaded model, block after block through the KV cache (what core
+    computes, SDVG computes: both go through the same op calls and ``cast_to``)."""
+    from sdvg_engine.models.comfy_layout import export_comfy
+
+    import importlib.util
+
+    if importlib.util.find_spec("comfy.ldm.wan.ar_model") is None:  # the LTS fork 0.12.1 has dynamic VRAM, not this
+        pytest.skip("this ComfyUI has no causal Wan (comfy/ldm/wan/ar_model.py: upstream 0.3x and later)")
+    causal = tmp_path / "causal_ar.safetensors"
+    export_comfy(files["drafter"], causal, dtype="fp32")
+    base = unet(causal)
+    assert type(base.get_model_object("diffusion_model")).__name__ == "CausalWanModel"
+    dynamic = _dynamic_stand_in(base)
+    assert dynamic.is_dynamic()
+    services = comfy_nodes.ComfyServices()
+    try:
+        out = sample(logic.load_model_from_comfy(dynamic, role="drafter"), None, services, comfy_vae, mode="draft_only")
+        source = dynamic.get_model_object("diffusion_model")
+        ops = [m for m in source.modules() if hasattr(m, "comfy_cast_weights")]
+        assert ops and all(m.comfy_cast_weights for m in ops)  # what ModelPatcherDynamic.load did
+        assert any(m.model is dynamic for m in mm.current_loaded_models)
+        described = json.loads(out.report)["models"]["drafter"]  # streamed per call, which model_lowvram never says
+        assert described["dynamic_vram"] is True and "partially_loaded" not in described
+    finally:
+        _forget(dynamic)
+    expected = sample(pack_model(files["drafter"], "drafter"), None, logic.Services(), vae, mode="draft_only")
+    assert latents_error(out, expected) <= 1e-5
+
+    patched, _ = comfy.sd.load_lora_for_models(unet(causal), None, make_lora(original_state(causal), seed=5), 1.0, 0)
+    dynamic = _dynamic_stand_in(patched)
+    try:
+        mm.load_models_gpu([dynamic])
+        core = dynamic.get_model_object("diffusion_model")
+        assert sum(getattr(m, "weight_lowvram_function", None) is not None for m in core.modules()) > 0
+        view = logic.load_model_from_comfy(dynamic, role="drafter").model
+        g, t, context = torch.Generator().manual_seed(0), torch.full((1, 3), 600.0), text_context(seed=4)
+        blocks = [torch.randn(1, 16, 3, H // 8, W // 8, generator=g) for _ in range(2)]
+        with torch.inference_mode():
+            text, cache = view.encode_text(context), view.new_kv_cache(1, H // 8, W // 8, 6)
+            kv = core.init_kv_caches(1, 6 * view.tokens_per_frame(H // 8, W // 8), CPU, torch.float32)
+            cross = core.init_crossattn_caches(1, CPU, torch.float32)
+            for start, x in zip((0, 3), blocks):
+                ours, theirs = view.forward_block(x, t, text, cache, start), core.forward_block(x, t, context, start, kv, cross)
+                assert (ours - theirs).abs().max().item() <= 1e-4 * theirs.abs().max().item()  # fp32 order: 6e-6 measured
+    finally:
+        _forget(dynamic)
+
+
+# ------------------------------------------------------------------------------------- what a MODEL carries, named
+def test_model_compute_dtype_is_read_from_the_clones_object_patch(files, comfy_vae):
+    """ModelComputeDtype sets the compute dtype as an object patch of its clone; ComfyUI writes it onto the shared
+    model only while that clone is loaded, so reading the model's attribute would leak it into the other clone."""
+    base = unet(files["drafter"])
+    half = base.clone()
+    half.set_model_compute_dtype(torch.bfloat16)
+    assert logic.load_model_from_comfy(half, role="drafter").model.compute_dtype == torch.bfloat16
+    assert logic.load_model_from_comfy(base, role="drafter").model.compute_dtype == torch.float32
+    mm.load_models_gpu([half])  # the patch is now on the shared model
+    assert logic.load_model_from_comfy(base, role="drafter").model.compute_dtype == torch.float32
+    out = sample(logic.load_model_from_comfy(half, role="drafter"), None, comfy_nodes.ComfyServices(), comfy_vae,
+                 mode="draft_only")
+    assert json.loads(out.report)["models"]["drafter"]["compute_dtype"] == "bf16"
+    mm.unload_all_models()
+
+
+def test_what_comfyui_itself_never_applies_or_sdvg_does_not_run_is_named(files):
+    """A LoRA's ``.diff`` on a block's raw ``modulation`` table is kept by ComfyUI and never applied (its loader
+    patches module weights and biases only): not counted as a patched weight, named under ``not_applied``. So are a
+    sampling-shift ``model_sampling`` patch and RoPE options, which SDVG's own schedule and RoPE do not read."""
+    base = unet(files["drafter"])
+    state = original_state(files["drafter"])
+    lora = make_lora(state, seed=5)
+    lora["diffusion_model.blocks.0.modulation.diff"] = torch.full_like(state["blocks.0.modulation"], 0.5)
+    patched = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]
+    raw = [k for k in patched.patches if str(k).endswith("modulation")]
+    assert raw == ["diffusion_model.blocks.0.modulation"]
+    described = logic.load_model_from_comfy(patched, role="drafter").describe()
+    assert described["patched_weights"] == len(patched.patches) - 1
+    assert described["not_applied"] == ["weight patches on 1 raw parameters (blocks.0.modulation): ComfyUI never "
+                                        "applies them"]
+    mm.load_models_gpu([patched])  # ComfyUI's own loader leaves the table as it was, LoRA patches applied
+    source = patched.get_model_object("diffusion_model")
+    assert torch.equal(source.blocks[0].modulation.detach().cpu(), state["blocks.0.modulation"])
+    assert not torch.equal(source.blocks[0].self_attn.q.weight.detach().cpu(), state["blocks.0.self_attn.q.weight"])
+    mm.unload_all_models()
+
+    shifted = base.clone()
+    shifted.add_object_patch("model_sampling", base.get_model_object("model_sampling"))
+    # what ScaleROPE sets (set_model_rope_options, ComfyUI >= 0.3.6x; 0.3.64 has no setter)
+    shifted.model_options.setdefault("transformer_options", {})["rope_options"] = {"scale_t": 2.0, "shift_t": 0.0}
+    assert logic.load_model_from_comfy(shifted, role="drafter").describe()["not_applied"] == [
+        "model_sampling (shift)", "rope_options"]

@@ -72,6 +72,20 @@ def test_bf16_and_fp8_load(source, reference_output, tmp_path):
     assert 0 < err_bf16 < 0.05 * scale and 0 < err_fp8 < 0.1 * scale
 
 
+def test_the_file_loaders_fp8_target_runs_under_cudas_rules(source, tmp_path):
+    """The pack's own fp8 weights (``fp8=True``, bf16 compute as on a GPU) under CUDA's fp8 matmul checks
+    (``tests/cuda_rules.py``): they dequantise per call into a plain bf16 matmul, so no ``_scaled_mm`` is made and
+    nothing is refused; the time MLP keeps the reference implementations' float32."""
+    from cuda_rules import cuda_scaled_mm
+
+    model, _ = load_causal_wan(_write("krea", source, tmp_path), dtype=torch.bfloat16, fp8=True)
+    x = torch.randn(1, 16, 3, 4, 6, generator=torch.Generator().manual_seed(2))
+    with cuda_scaled_mm() as log:
+        flow = _output(model, x)
+    assert (log.calls, log.refused) == ([], []) and flow.isfinite().all()
+    assert not model.ops_in_host_dtypes
+
+
 def test_missing_key_names_file_and_key(source, tmp_path):
     state = to_original_keys(source.state_dict())
     del state["blocks.1.cross_attn.k.weight"]

@@ -260,6 +260,24 @@ def test_invalid_length_is_rejected(stack, services):
     assert logic.geometry_problem(None, None, None) is None  # linked inputs are checked at run time
 
 
+def test_a_drafter_larger_than_the_target_is_refused(stack, services):
+    """The two models swapped (the 14B on the drafter input) would make every block slower than the target alone:
+    refused by name before anything loads, in every mode that runs both; target_only / draft_only run one model."""
+    from dataclasses import replace
+
+    bigger = replace(stack["drafter"], info=replace(stack["drafter"].info, architecture="Wan2.1-T2V-14B",
+                                                    num_parameters=14_288_901_184))
+    smaller = replace(stack["target"], info=replace(stack["target"].info, architecture="Wan2.1-T2V-1.3B",
+                                                    num_parameters=1_418_996_800))
+    for mode in ("first_block_only", "random"):
+        with pytest.raises(ValueError, match=r"the drafter \(Wan2.1-T2V-14B, 14.29B parameters\) is larger than the "
+                                             r"target \(Wan2.1-T2V-1.3B, 1.42B parameters\).* Swap them"):
+            sample(stack, None, services, drafter=bigger, target=smaller, mode=mode, length=9)
+    assert services.loaded == []  # refused before anything loads
+    out = sample(stack, None, services, drafter=bigger, target=smaller, mode="draft_only", length=9)
+    assert out.frames.shape[0] == 9
+
+
 def test_sdvg_mode_needs_the_prompt_text(stack, services):
     router = logic.build_router(REWARD_FILE, 0.0, "min", "center", 0.0, services=services)
     with pytest.raises(ValueError, match="reward_prompt is empty"):
@@ -531,9 +549,11 @@ def test_node_bad_input_is_refused_clearly(row, services):
                                              r"position in the file, 0 for the first"):
             logic.load_embeddings_node(EMBEDDINGS_FILE, True, services=services)
         return
+    from nodes import loaders
+
     loads = []
-    real = logic.load_generator
-    logic.load_generator = lambda *a, **k: loads.append(a) or real(*a, **k)
+    real = loaders.load_generator
+    loaders.load_generator = lambda *a, **k: loads.append(a) or real(*a, **k)
     try:
         if row == "drafter_fp8":
             with pytest.raises(ValueError, match=r"dtype of the drafter must be one of \('bf16', 'fp16', 'fp32'\), "
@@ -545,7 +565,7 @@ def test_node_bad_input_is_refused_clearly(row, services):
                                                  rf"'{device}'; pick 'auto'"):
                 logic.load_model_node(TARGET_FILE, "bf16", device, "auto", role="target", services=services)
     finally:
-        logic.load_generator = real
+        loaders.load_generator = real
     assert loads == []  # refused before any model loads
 
 

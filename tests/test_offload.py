@@ -210,7 +210,9 @@ def test_offloaded_models_load_run_interrupt_and_unload_through_the_node_logic(t
     from node_fixtures import FakeComfyVAE
 
     logic, folders, drafter_file, target_file, embeddings_file = _node_stack(tmp_path)
-    monkeypatch.setattr(logic, "check_offload_device", lambda device, what: device)
+    from nodes import loaders
+
+    monkeypatch.setattr(loaders, "check_offload_device", lambda device, what: device)
     svc = logic.Services(folders)
     positive, prompt = logic.load_embeddings_node(embeddings_file, 0, services=svc)
     runs = {}

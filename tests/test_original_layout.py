@@ -68,6 +68,32 @@ class StandInRMSNorm(_CastOp, torch.nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
+class StandInScaledFp8Linear(StandInLinear):
+    """ComfyUI's scaled-fp8 Linear with fp8 matmuls on (``scaled_fp8_ops(fp8_matrix_mult=True)``, what an sm_89+ GPU
+    gets for a ``*_fp8_scaled`` file), by its contract: the weight stays fp8 with a float32 ``scale_weight``, the input
+    is clamped and cast to fp8, and ``torch._scaled_mm`` computes in the input's dtype with the bias cast to it."""
+
+    def forward_comfy_cast_weights(self, x):
+        type(self).calls += 1
+        rows = x.reshape(-1, x.shape[-1]).clamp(-448, 448).to(torch.float8_e4m3fn).contiguous()
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out = torch._scaled_mm(rows, self.weight.t(), out_dtype=x.dtype, bias=bias,
+                               scale_a=torch.ones((), dtype=torch.float32), scale_b=self.scale_weight)
+        return out.reshape(*x.shape[:-1], -1)
+
+
+def to_scaled_fp8(host: torch.nn.Module) -> torch.nn.Module:
+    """Every Linear of the stand-in host as a scaled-fp8 one (weight / scale in fp8, the scale kept), in place."""
+    for module in host.modules():
+        if type(module) is StandInLinear:
+            weight = module.weight.float()
+            scale = weight.abs().max() / 448
+            module.weight = torch.nn.Parameter((weight / scale).to(torch.float8_e4m3fn), requires_grad=False)
+            module.scale_weight = scale.to(torch.float32)
+            module.__class__ = StandInScaledFp8Linear
+    return host
+
+
 def _op(cls, *args, **kwargs):
     module = cls(*args, **kwargs, dtype=STORAGE)
     module.weight_function = []
@@ -311,6 +337,56 @@ def test_a_view_refuses_block_offload_and_non_wan_modules(original_state):
         OriginalLayoutCausalWan(torch.nn.Linear(2, 2), device="cpu", compute_dtype=torch.float32)
     with pytest.raises(TypeError, match="forward_block"):
         view(torch.zeros(1))
+
+
+def test_a_hosts_ops_get_the_dtypes_comfyuis_own_wan_gives_them(original_state):
+    """ComfyUI's WanModel feeds the patch embedding float32 and every other op (time MLP and norms included) the
+    compute dtype; its ops are built for that (a scaled-fp8 Linear's fp8 matmul computes in the input's dtype)."""
+    host = StandInWanModel(original_state)
+    names = {module: name for name, module in host.named_modules()}
+    seen: dict[str, set] = {}
+
+    def recording(op, x):
+        seen.setdefault(names[op], set()).add(x.dtype)
+        return comfy_style_call(op, x)
+
+    view = OriginalLayoutCausalWan(host, device="cpu", compute_dtype=torch.bfloat16, call=recording,
+                                   read_param=comfy_style_read)
+    _blocks(view, bias=True)
+    ops = {name for name, m in host.named_modules() if isinstance(m, _CastOp)}
+    assert set(seen) == ops  # every op of the model ran through the host's call
+    assert seen.pop("patch_embedding") == {torch.float32}
+    assert {name: d for name, d in seen.items() if d != {torch.bfloat16}} == {}
+
+
+def test_scaled_fp8_matmuls_run_under_cudas_rules(original_state):
+    """A scaled-fp8 host with fp8 matmuls on, under CUDA's ``_scaled_mm`` checks: every Linear ComfyUI's own Wan runs
+    through ``_scaled_mm`` does so once per call here too (the text projections once per prompt, in encode_text), and
+    the reference implementations' float32 time MLP is what CUDA refuses."""
+    from cuda_rules import cuda_scaled_mm
+
+    host = to_scaled_fp8(StandInWanModel(original_state))
+    layers = len(host.blocks)
+    view = OriginalLayoutCausalWan(host, device="cpu", compute_dtype=torch.bfloat16, call=comfy_style_call,
+                                   read_param=comfy_style_read)
+    x, t = torch.randn(1, 16, 3, H, W, generator=torch.Generator().manual_seed(3)), torch.full((1, 3), 937.5)
+    with cuda_scaled_mm() as log:
+        text_kv = view.encode_text(text_context())
+        assert len(log) == 2 + 2 * layers  # text_embedding.0/.2, then each layer's cross-attention k and v
+        before = len(log)
+        flow = view.forward_block(x, t, text_kv, view.new_kv_cache(1, H, W, 3), 0)
+        # time_embedding.0/.2, time_projection.1; per layer self-attention q k v o, cross-attention q o, ffn.0/.2; head
+        assert len(log) - before == 3 + 8 * layers + 1
+        assert {call[2] for call in log.calls} == {torch.bfloat16}
+    assert flow.shape == (1, 16, 3, H, W) and flow.isfinite().all()
+    # the dequantised weights in bf16 give nearly the same flow (fp8 inputs add their rounding)
+    plain = StandInWanModel(original_state)
+    reference = OriginalLayoutCausalWan(plain, device="cpu", compute_dtype=torch.bfloat16, call=comfy_style_call,
+                                        read_param=comfy_style_read).forward_block(x, t, text_kv, None, 0)
+    assert torch.nn.functional.cosine_similarity(flow.flatten(), reference.flatten(), dim=0) > 0.99
+    # the reference implementations' float32 time MLP is what CUDA refuses on this path (what the pack did before)
+    with cuda_scaled_mm(), pytest.raises(RuntimeError, match="Bias is not supported when out_dtype is set to Float32"):
+        host.time_embedding[0].forward_comfy_cast_weights(torch.randn(1, 3, view.config.freq_dim))
 
 
 def test_build_generator_runs_a_view_like_a_loaded_checkpoint(original_state):

@@ -45,7 +45,8 @@ def test_cached_blocks_equal_one_block_causal_forward_over_many_blocks(num_block
         block = slice(3 * b, 3 * b + 3)
         out = model.forward_block(latents[:, :, block], times[:, block], text_kv, cache, start_frame=3 * b)
         err = (out - full[:, :, block]).abs().max().item()
-        assert err <= 1e-5, f"block {b}: cached forward differs from the masked full forward by {err}"
+        # fp32 reductions of other lengths: up to 1.1e-5 on an AMX Xeon (outputs ~5); losing block 0 moves far more
+        assert err <= 3e-5, f"block {b}: cached forward differs from the masked full forward by {err}"
 
     # The last block depends on block 0 (not vacuous): changing block 0 changes the last block's reference.
     changed = latents.clone()

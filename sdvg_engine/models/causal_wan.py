@@ -84,9 +84,7 @@ def sinusoidal_embedding(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _linear_fp32(linear, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)`` in float32 whatever the weights' dtype (the time MLP and the modulation projection)."""
-    weight = getattr(linear, "weight", None)
-    if weight is None:  # a host's op (original_layout.HostOp): it casts its weights to the input's dtype itself
-        return linear(x.float()).float()
+    weight = linear.weight
     if hasattr(linear, "dequantized_weight"):  # fp8-stored layers (see loading.py)
         weight = linear.dequantized_weight()
     bias = None if linear.bias is None else linear.bias.float()
@@ -172,6 +170,14 @@ class CausalWanForward:
 
     #: the settings this model runs with (:class:`RuntimeSettings`); changed only through :meth:`use_runtime`
     runtime: RuntimeSettings = RuntimeSettings()
+
+    #: Which dtypes the ops are fed. ``False`` (the pack's own models): the reference implementations' (Self-Forcing,
+    #: Krea): the time MLP and the norms in float32, everything else in the compute dtype. ``True`` (a host's modules,
+    #: ``original_layout.py``): what the host's own Wan feeds the same ops. ComfyUI's ``WanModel`` runs the patch
+    #: embedding in float32 (its weight is kept in float32) and every other op, time MLP and norms included, in the
+    #: compute dtype; its ops are built for those inputs: on fp8-capable GPUs a scaled-fp8 Linear calls
+    #: ``torch._scaled_mm`` with the input's dtype as output dtype, which CUDA refuses for float32 with a bias.
+    ops_in_host_dtypes: bool = False
 
     def use_runtime(self, **settings) -> "CausalWanTransformer3DModel":
         """Run with these :class:`RuntimeSettings` fields from now on (the loader's ``kv_dtype`` and ``offload``, the
@@ -276,9 +282,13 @@ class CausalWanForward:
 
     def _time_embedding(self, timesteps: torch.Tensor):
         """timesteps ``[B, F]`` -> ``temb [B, F, D]`` and modulation ``[B, F, 6, D]`` (float32)."""
-        # The original runs these layers under float32 autocast whatever the weight dtype; so do we.
         emb = self.condition_embedder
         sinus = sinusoidal_embedding(timesteps, self.config.freq_dim).float()
+        if self.ops_in_host_dtypes:  # as the host's own Wan: the time MLP in the compute dtype (see the attribute)
+            temb = emb.time_embedder.linear_2(F.silu(emb.time_embedder.linear_1(sinus.to(self.compute_dtype))))
+            modulation = emb.time_proj(F.silu(temb))
+            return temb.float(), modulation.float().unflatten(-1, (6, -1))
+        # The original runs these layers under float32 autocast whatever the weight dtype; so do we.
         hidden = F.silu(_linear_fp32(emb.time_embedder.linear_1, sinus))
         temb = _linear_fp32(emb.time_embedder.linear_2, hidden)
         modulation = _linear_fp32(emb.time_proj, F.silu(temb))
@@ -370,7 +380,10 @@ class CausalWanForward:
                 attn_mask = self._attention_bias(kv_cache, start_frame, n_frames, *cache_bias, dtype=self.compute_dtype)
 
         dtype = self.compute_dtype
-        x = self.patch_embedding(block_latents.to(self.device, dtype)).flatten(2).transpose(1, 2).contiguous()
+        host = self.ops_in_host_dtypes  # the host's dtypes at its ops (see the attribute): no float32 norms
+        embed_dtype = torch.float32 if host else dtype
+        x = self.patch_embedding(block_latents.to(self.device, embed_dtype)).to(dtype)
+        x = x.flatten(2).transpose(1, 2).contiguous()
         temb, modulation = self._time_embedding(timesteps.to(self.device))
         rope = self._rope(start_frame, n_frames, hp, wp, x.device)
 
@@ -382,21 +395,21 @@ class CausalWanForward:
             if hooks is not None:
                 hooks.before(layer)
             shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.float() + modulation).unsqueeze(3).unbind(2)
-            normed = (per_frame(block.norm1(x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
+            normed = (per_frame(block.norm1(x if host else x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
             attn_out = self._self_attention(block.attn1, normed, rope, kv_cache, layer, start_frame, attn_mask)
             x = (x.float() + (per_frame(attn_out.float()) * gate).flatten(1, 2)).to(dtype)
 
-            normed = block.norm2(x.float()).to(dtype)
+            normed = block.norm2(x if host else x.float()).to(dtype)
             x = x + self._cross_attention(block.attn2, normed, text_kv.keys[layer], text_kv.values[layer])
 
-            normed = (per_frame(block.norm3(x.float())) * (1 + c_scale) + c_shift).flatten(1, 2).to(dtype)
+            normed = (per_frame(block.norm3(x if host else x.float())) * (1 + c_scale) + c_shift).flatten(1, 2).to(dtype)
             ff_out = block.ffn(normed)
             x = (x.float() + (per_frame(ff_out.float()) * c_gate).flatten(1, 2)).to(dtype)
             if hooks is not None:
                 hooks.after(layer)
 
         shift, scale = (self.scale_shift_table.float() + temb.unsqueeze(2)).unsqueeze(3).unbind(2)
-        x = (per_frame(self.norm_out(x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
+        x = (per_frame(self.norm_out(x if host else x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
         x = self.proj_out(x)
         # Unpatchify: tokens (f, hp, wp) x (p_t, p_h, p_w, C) -> [B, C, F, h, w].
         x = x.reshape(B, n_frames, hp, wp, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)

@@ -55,8 +55,9 @@ def _read_param(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -
 class HostOp:
     """One op of the source model, called the host's way: ``op(x) == call(module, x)``.
 
-    It has no ``weight`` attribute on purpose: the forward then never reads weights directly (which would skip the
-    host's casts and patches) and asks the op itself for float32 results (``causal_wan._linear_fp32``)."""
+    It has no ``weight`` attribute on purpose: the forward never reads weights directly (which would skip the host's
+    casts and patches); it feeds each op the dtype the host's own Wan feeds it
+    (:attr:`~sdvg_engine.models.causal_wan.CausalWanForward.ops_in_host_dtypes`)."""
 
     __slots__ = ("module", "_call")
 
@@ -129,8 +130,9 @@ class OriginalLayoutCausalWan(CausalWanForward, torch.nn.Module):
             ``parameters()`` are its parameters. Never moved, cast or modified here.
         device: where the forward computes (ComfyUI: the patcher's load device).
         compute_dtype: the dtype activations run in (ComfyUI: ``manual_cast_dtype`` or the model's dtype).
-        call: ``call(op, x)`` runs one op module (Linear, Conv3d, LayerNorm, RMSNorm) on ``x`` with its weights cast to
-            ``x``'s dtype and device and every patch applied. Default: ``op(x)``.
+        call: ``call(op, x)`` runs one op module (Linear, Conv3d, LayerNorm, RMSNorm) on ``x`` the host's way, with its
+            weights cast and every patch applied; ``x`` is in the dtype the host's own Wan gives that op
+            (:attr:`ops_in_host_dtypes`). Default: ``op(x)``.
         read_param: ``read_param(param, dtype, device)`` reads a raw parameter (the modulation tables).
             Default: ``param.to(device, dtype)``.
         attention: the attention backend, see :attr:`~sdvg_engine.models.causal_wan.RuntimeSettings.attention`.
@@ -139,6 +141,9 @@ class OriginalLayoutCausalWan(CausalWanForward, torch.nn.Module):
             strengths, quantisation): added to the replay key, since patches applied per call leave the parameters,
             and so the weights fingerprint, unchanged. Default: ``()``.
     """
+
+    #: the host's ops get the dtypes its own Wan gives them (time MLP and norms in the compute dtype; see the base)
+    ops_in_host_dtypes = True
 
     def __init__(self, source: torch.nn.Module, *, device: "torch.device | str", compute_dtype: torch.dtype,
                  call: Callable | None = None, read_param: Callable | None = None, attention: Callable | None = None,
