@@ -279,6 +279,7 @@ def load_model_from_comfy(model, context_scheme: str = "auto", kv_dtype: str = "
         schedule=checkpoint_schedule(info.architecture), load_device=torch.device(model.load_device),
         offload_device=torch.device(model.offload_device), holder=None, patcher=model,
         requested_context_scheme=context_scheme, backend="comfy",
+        describe_source=lambda: describe_model(view, model),
     )
 
 

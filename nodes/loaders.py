@@ -63,6 +63,8 @@ class SDVGModel:
     #: where the weights come from: "file" (SDVG Load Drafter / Target) or "comfy" (a ComfyUI MODEL, whose
     #: ModelPatcher is ``patcher``; see :func:`load_model_from_comfy`)
     backend: str = "file"
+    #: a MODEL's own report lines (``comfy_model.describe_model`` of its view and patcher), given by its adapter
+    describe_source: Any = None
 
     @property
     def comfy_backed(self) -> bool:
@@ -81,11 +83,9 @@ class SDVGModel:
 
     def describe(self) -> dict:
         if self.comfy_backed:
-            from .comfy_model import describe_model
-
             return {"source": "ComfyUI MODEL", "architecture": self.info.architecture, "dtype": self.dtype,
                     "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule,
-                    **describe_model(self.model, self.patcher)}
+                    **(self.describe_source() if self.describe_source is not None else {})}
         return {"file": os.path.basename(self.path), "architecture": self.info.architecture, "dtype": self.dtype,
                 "device": str(self.load_device), "context_scheme": self.context_scheme, "schedule": self.schedule,
                 **({"offload": "blocks"} if getattr(self.model, "block_hooks", None) is not None else {}),

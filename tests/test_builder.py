@@ -75,7 +75,7 @@ def test_builder_applies_the_preset_and_records_where_each_setting_came_from():
 
 def test_the_toy_demo_and_the_dry_run_build_through_the_builder(monkeypatch):
     from sdvg_engine import dry_run
-    from sdvg_engine.toy import demo
+    from sdvg_engine.toy import clips, demo
 
     calls = []
     real = loaders.build_pipeline
@@ -84,7 +84,7 @@ def test_the_toy_demo_and_the_dry_run_build_through_the_builder(monkeypatch):
         calls.append(kwargs["preset"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(demo, "build", spy)
+    monkeypatch.setattr(clips, "build", spy)
     monkeypatch.setattr(dry_run, "build_pipeline", spy)
     parts = shared_parts()
 

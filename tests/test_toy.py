@@ -2,6 +2,7 @@
 weights that match their hashes, and a short demo run that writes every output."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -239,14 +240,14 @@ def test_shipped_models_show_the_target_drafter_gap():
     beats the drafter clearly; the drafter continues a target-made first block better than it starts a clip.
     (45 frames, two prompts; the 40 report-set clips: test_shipped_baseline_table_is_in_the_bands.)"""
     from sdvg_engine.pipeline import SDVGOptions
-    from sdvg_engine.toy import demo
+    from sdvg_engine.toy import clips
 
     models = toy_models.load_toy_models()
-    pipe = demo.build_pipeline(models)
+    pipe = clips.build_pipeline(models)
     quality = {"target_only": [], "draft_only": [], "first_block_only": []}
     for caption in ("a red ball moving left on white", "a blue square moving right on gray"):
         for mode in quality:
-            _, metrics = demo._run(pipe, caption, 0, SDVGOptions(mode=mode), num_frames=45)
+            _, metrics = clips.run_clip(pipe, caption, 0, SDVGOptions(mode=mode), num_frames=45)
             quality[mode].append(metrics["quality"])
             if mode == "target_only" and caption.startswith("a red ball"):
                 assert np.mean(metrics["per_frame"][:9]) > 0.6  # block 0 from the text alone: colour, shape, place
@@ -254,3 +255,22 @@ def test_shipped_models_show_the_target_drafter_gap():
     assert target > 0.4, quality
     assert draft < 0.9 * target, quality  # (0.87 of target-only here: the drafter composes from the text worse)
     assert first > draft + 0.02, quality  # the target's block 0 anchors the drafts that continue it (0.647 vs 0.621)
+
+
+def test_the_toy_tools_import_in_one_direction():
+    """Each module of ``sdvg_engine/toy`` imports only those below it (lazy imports inside functions included):
+    the world and the models, then ``clips`` (prompts, splits, the toy pipeline, costs), ``baselines``, ``tree``,
+    ``routing_report`` and the demo on top. No circle: each tool can be read, tested and run without those above."""
+    import ast
+
+    order = ["world", "models", "text", "tree_frames", "clips", "baselines", "tree", "routing_report", "demo"]
+    folder = Path(__file__).resolve().parents[1] / "sdvg_engine" / "toy"
+    assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(order)
+    for name in order:
+        tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+        siblings = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                siblings |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        upward = sorted(s for s in siblings if order.index(s) >= order.index(name))
+        assert upward == [], f"sdvg_engine/toy/{name}.py imports {upward}, which are not below it"

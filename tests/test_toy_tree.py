@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from sdvg_engine.pipeline import SDVGOptions
 from sdvg_engine.router import RandomRouter, RewardRouter
-from sdvg_engine.toy import demo
+from sdvg_engine.toy import clips, demo
+from sdvg_engine.toy.text import embed_caption
 from sdvg_engine.toy import tree as T
 from sdvg_engine.toy.models import FILES, WEIGHTS, load_reward, load_toy_models
 from sdvg_engine.toy.tree_frames import ScoredFrames, node_values, rescore
@@ -23,7 +24,7 @@ CLIPS = (("a red ball moving right on black", 0), ("a green triangle moving left
 
 
 def _seconds(drafter=0.02, target=0.1, decode=0.04, score=0.005, drafter_call=0.004, target_call=0.02):
-    """Per-block seconds and the DiTs' call costs (:func:`sdvg_engine.toy.tree.call_costs`): the toy's structure,
+    """Per-block seconds and the DiTs' call costs (:func:`sdvg_engine.toy.clips.call_costs`): the toy's structure,
     4 denoising calls per block and a global cache (one commit pass per block before the last a model makes)."""
     calls = {m: {"steps": 4, "context": "global_cache", "per_call": c} for m, c in (("drafter", drafter_call),
                                                                                    ("target", target_call))}
@@ -54,16 +55,16 @@ def other_reward(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def structure(models):
-    """Each preset's DiT call structure (:func:`T.call_costs`), read off a real target-only and draft-only run."""
+    """Each preset's DiT call structure (:func:`clips.call_costs`), read off a real target-only and draft-only run."""
     out = {}
     for preset in ("native", "reference"):
         pipe = demo.build_pipeline(models, preset=preset)
         caption, seed = CLIPS[0]
-        reports = {mode: pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32,
+        reports = {mode: pipe.generate(embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32,
                                        height=32, seed=seed, options=SDVGOptions(mode=mode)).report
                    for mode in ("target_only", "draft_only")}
         model = {"target": "target_only", "drafter": "draft_only"}
-        out[preset] = T.call_costs({m: reports[r]["model_calls"][m] for m, r in model.items()},
+        out[preset] = clips.call_costs({m: reports[r]["model_calls"][m] for m, r in model.items()},
                                    {m: reports[r]["model_call_seconds"][m] for m, r in model.items()}, 3)
     assert out["native"]["target"]["steps"] == 4 and out["native"]["target"]["context"] == "global_cache"
     assert out["reference"]["target"]["context"] == "recompute_window"
@@ -98,7 +99,7 @@ def _pipeline_run(models, caption, seed, mode, value, preset="native"):
     pipe = demo.build_pipeline(models, preset=preset)
     kw = {"accept_rate": value} if mode == "accept_rate" else {"tau": value}
     pipe.router = RewardRouter(models.scorer, tau_mode=mode, **kw)
-    return pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
+    return pipe.generate(embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
                          seed=seed, options=SDVGOptions())
 
 
@@ -118,7 +119,7 @@ def test_tree_paths_are_the_pipelines_outputs(models, built, structure):
             metrics = clip_metrics(result.frames.numpy(), caption)
             assert tree.leaves[w.leaf]["quality"] == metrics["quality"]
             seen.add((mode, w.leaf))
-        draft_only = demo._run(demo.build_pipeline(models), caption, seed, SDVGOptions(mode="draft_only"), FRAMES)[1]
+        draft_only = clips.run_clip(clips.build_pipeline(models), caption, seed, SDVGOptions(mode="draft_only"), FRAMES)[1]
         assert tree.draft_only["quality"] == draft_only["quality"]
     assert {leaf for mode, leaf in seen if mode == "fixed"} >= {0, 3}  # tau=+inf: the all-reject (target-only) leaf
     assert len({leaf for _, leaf in seen}) >= 3  # the routers reach different leaves
@@ -130,7 +131,7 @@ def test_schedule_leaves_are_the_pipelines_schedule_runs(models, built, structur
         for every in (0, 1, 2):
             leaf = T.schedule_leaf(tree.num_decisions, every)
             pipe = demo.build_pipeline(models, preset="native")
-            result = pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
+            result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
                                    seed=seed, options=SDVGOptions(mode="schedule", schedule_every=every))
             assert torch.equal(frames[leaf], result.frames), (caption, every)
             assert result.report["decisions"][1:] == ["draft" if leaf >> i & 1 else "target"
@@ -520,7 +521,7 @@ def _run_counted(models, caption, seed, options, router_kw=None):
     pipe = demo.build_pipeline(models, preset="native")
     pipe.router = RewardRouter(models.scorer, **(router_kw or {}))
     counts = _spy(pipe)
-    result = pipe.generate(demo.embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
+    result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=FRAMES, width=32, height=32,
                            seed=seed, options=options)
     return result, counts
 

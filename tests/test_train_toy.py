@@ -222,7 +222,7 @@ def test_reward_learns_on_what_the_pipeline_generates(train_toy):
     rng draws), and with generated_share=1 every training frame comes from it, labelled with the world's metric."""
     from sdvg_engine.pipeline import SDVGOptions
     from sdvg_engine.reward import BlipTokenizer
-    from sdvg_engine.toy.demo import _run, build_pipeline
+    from sdvg_engine.toy.clips import build_pipeline, run_clip
     from sdvg_engine.toy.world import frame_adherence
 
     scenes = all_scenes()
@@ -232,7 +232,7 @@ def test_reward_learns_on_what_the_pipeline_generates(train_toy):
     for (scene, frames), mode in zip(pool, ("draft_only", "target_only")):
         assert scene == scenes[rng.integers(len(scenes))]
         seed = int(rng.integers(1000, 1 << 30))
-        result, _ = _run(pipe, scene.caption, seed, SDVGOptions(mode=mode))
+        result, _ = run_clip(pipe, scene.caption, seed, SDVGOptions(mode=mode))
         assert frames.shape == (81, 32, 32, 3) and frames.dtype == np.float32
         np.testing.assert_array_equal(frames, result.frames.float().numpy())
     frames, ids, masks, y = train_toy.reward_batch(np.random.default_rng(0), scenes, BlipTokenizer(), 4, 2,

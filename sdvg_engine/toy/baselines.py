@@ -12,7 +12,7 @@ scores). From them, with 95% bootstrap CIs over clips (the tree tool's resamples
 * ``between_prompt_share``: of the drafts' block scores (min over frames) when every draft is kept, the share of
   their variance that lies between clips, var(per-clip mean) / var(all) (the reference: 82%, computed the same way
   from its per-prompt record, config ``fixed_-2.5``, the one that keeps every draft);
-* with ``block_seconds`` (:func:`sdvg_engine.toy.tree.measure_block_seconds`): ``cost_ratio`` = target / drafter
+* with ``block_seconds`` (:func:`sdvg_engine.toy.clips.measure_block_seconds`): ``cost_ratio`` = target / drafter
   seconds per block, and ``verification_share`` = (drafter + decode + score) / (target + decode): what verifying a
   rejected draft adds to the block the target makes anyway (the reference: 3.3 s against 97 s / 9 blocks).
 
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..pipeline import SDVGOptions
+from .clips import build_pipeline, measure_block_seconds, run_clip, split_clips, weights_hash
 from .models import WEIGHTS
 
 # the reference's per-prompt record, where a checkout has it (shared/ inside or beside the repository)
@@ -85,17 +86,15 @@ def reference_between_share(path: Path | None = REFERENCE_CSV, config: str = "fi
 
 
 def clip_row(pipe, caption: str, seed: int = 0, num_frames: int = 81) -> dict:
-    """The three baseline runs of one clip on ``pipe`` (:func:`sdvg_engine.toy.demo.build_pipeline`)."""
-    from .demo import _run
-
+    """The three baseline runs of one clip on ``pipe`` (:func:`sdvg_engine.toy.clips.build_pipeline`)."""
     row = {"caption": caption, "seed": int(seed)}
     for mode in ("target_only", "draft_only"):
-        _, metrics = _run(pipe, caption, seed, SDVGOptions(mode=mode), num_frames)
+        _, metrics = run_clip(pipe, caption, seed, SDVGOptions(mode=mode), num_frames)
         row[mode] = metrics["quality"]
     tau = pipe.router.tau
     pipe.router.tau = -math.inf  # every draft kept after the target's block 0: first_block_only, with the scores
     try:
-        result, metrics = _run(pipe, caption, seed, SDVGOptions(mode="sdvg"), num_frames)
+        result, metrics = run_clip(pipe, caption, seed, SDVGOptions(mode="sdvg"), num_frames)
     finally:
         pipe.router.tau = tau
     row["first_block_only"] = metrics["quality"]
@@ -148,7 +147,7 @@ def table(rows: list[dict], block_seconds: dict | None = None, *, resamples: int
 
 def shipped(weights: str) -> dict | None:
     """The shipped report-set table (:data:`BASELINES_FILE`: ``weights``, ``rows``, ``table``) when it exists and was
-    made with weights ``weights`` (a :func:`sdvg_engine.toy.tree.weights_hash`), else None: its figures would
+    made with weights ``weights`` (a :func:`sdvg_engine.toy.clips.weights_hash`), else None: its figures would
     describe other models."""
     if not BASELINES_FILE.exists():
         return None
@@ -194,9 +193,7 @@ def format_table(tab: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    from .demo import build_pipeline
     from .models import load_toy_models
-    from .tree import measure_block_seconds, split_clips, weights_hash
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--split", choices=("design", "report"), default="report")

@@ -34,35 +34,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..loaders import LoadedDiT
-from ..loaders import build_pipeline as build
-from ..pipeline import SDVGOptions, SpeculativePipeline, video_frames_to_latent_frames
-from ..router import RewardRouter
+from ..pipeline import SDVGOptions, video_frames_to_latent_frames
 from . import routing_report
+from .clips import NUM_FRAMES, build_pipeline, prompts_for, run_clip
 from .models import load_toy_models, vae_round_trip
-from .text import embed_caption
-from .world import SIZE, Scene, all_scenes, clip_metrics
+from .world import SIZE, Scene, clip_metrics
 
-NUM_FRAMES = 81  # 21 latent frames = 7 blocks of 3, like the real models
 # On the 48 design trees: acceptance 0.98 / 0.92 / 0.90 / 0.79 / 0.35. -1.278 is the fixed tau bench_routing chose
 # there (the fastest keeping >= 98% of target-only; routing_report.json), the showcase tau (the middle one) of the videos.
 DEFAULT_TAUS = (-2.0, -1.6, -1.278, -0.6, 0.0)
 MATCH_TOLERANCE = 0.05  # (kept for callers; the tree verdict matches acceptance exactly)
-SHOWCASE_PROMPTS = (
-    "a red ball moving right on black",
-    "a blue square moving down on white",
-    "a green triangle moving left on gray",
-    "a yellow ball moving up on gray",
-    "a blue triangle moving right on black",
-    "a red square moving left on white",
-)
 
 
-# Routing settings chosen on the design set of the held-out split (tree.DESIGN_PROMPTS: prompts 0-47) by
+# Routing settings chosen on the design set of the held-out split (clips.DESIGN_PROMPTS: prompts 0-47) by
 # bench/bench_routing.py (docs/dev/routing.md): each router's best quality at >= 1.6x (cost model) there, as shipped
 # in routing_report.json with the weights they were chosen for. The demo judges them, and its taus, on report-set
-# clips (tree.REPORT_PROMPTS), which nothing was chosen on. Keys and values as the tree tool's grids: {mode: setting}.
-# ``demo.ROUTING_CHOICE`` reads them when first asked (the tree tool imports this module).
+# clips (clips.REPORT_PROMPTS), which nothing was chosen on. Keys and values as the tree tool's grids: {mode: setting}.
+# ``demo.ROUTING_CHOICE`` reads them when first asked (routing_report.json is read only by who asks).
 def __getattr__(name: str):
     if name == "ROUTING_CHOICE":
         return routing_report.design_choices("at_speed")
@@ -70,8 +58,8 @@ def __getattr__(name: str):
 
 
 def report_prompts(n: int) -> list[str]:
-    """The first ``n`` prompts of the held-out report set (:data:`sdvg_engine.toy.tree.REPORT_PROMPTS`)."""
-    from .tree import REPORT_PROMPTS
+    """The first ``n`` prompts of the held-out report set (:data:`sdvg_engine.toy.clips.REPORT_PROMPTS`)."""
+    from .clips import REPORT_PROMPTS
 
     lo, hi = REPORT_PROMPTS
     if not 1 <= n <= hi - lo:
@@ -92,39 +80,6 @@ def typical_prompts(n: int) -> list[str]:
                          f"({weights_hash(WEIGHTS)}): run python -m sdvg_engine.toy.baselines --out {BASELINES_FILE}, "
                          "or use --prompt-set report (the first report-set prompts)")
     return [caption for caption, _ in typical_clips(data["rows"], n)]
-
-
-def prompts_for(n: int) -> list[str]:
-    """The showcase prompts first, then a fixed spread over the rest of the world."""
-    out = list(SHOWCASE_PROMPTS[:n])
-    rest = [s.caption for s in all_scenes() if s.caption not in out]
-    rng = np.random.default_rng(2024)
-    for i in rng.permutation(len(rest)):
-        if len(out) >= n:
-            break
-        out.append(rest[i])
-    return out
-
-
-#: what the toy checkpoints were trained with (a preset's "checkpoint" choice): Self-Forcing's global cache, 4 calls
-TOY_CONTEXT, TOY_SCHEDULE = "global_cache", "self_forcing"
-
-
-def build_pipeline(models, tau: float = 0.0, preset: str = "native", workers: int | str = 1) -> SpeculativePipeline:
-    """The toy pipeline (:func:`sdvg_engine.loaders.build_pipeline`). ``native`` (the toy default): both tiny DiTs as
-    they were trained, on a global cache with 4 calls. ``reference``: the paper's configuration (both on the recompute
-    window with the 5-call list), which the toy models were not trained for; it is here to compare decisions and
-    quality under the two presets."""
-    dits = [LoadedDiT(m, TOY_CONTEXT, TOY_SCHEDULE) for m in (models.drafter, models.target)]
-    router = RewardRouter(models.scorer, tau=tau, aggregation="min")
-    return build(dits[0], dits[1], models.vae, router, preset=preset, workers=workers)
-
-
-def _run(pipe, caption, seed, options, num_frames=NUM_FRAMES):
-    result = pipe.generate(embed_caption(caption), prompt=caption, num_frames=num_frames, width=SIZE, height=SIZE,
-                           seed=seed, options=options)
-    metrics = clip_metrics(result.frames.numpy(), caption)
-    return result, metrics
 
 
 def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print, preset: str = "native",
@@ -151,15 +106,15 @@ def sweep(models, prompts, seeds, taus, *, num_frames=NUM_FRAMES, log=print, pre
         kept[(name, item)] = result
 
     # Warm-up (first calls allocate caches and are slow).
-    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="target_only"), num_frames)
-    _run(pipe, items[0][0], items[0][1], SDVGOptions(mode="draft_only"), num_frames)
+    run_clip(pipe, items[0][0], items[0][1], SDVGOptions(mode="target_only"), num_frames)
+    run_clip(pipe, items[0][0], items[0][1], SDVGOptions(mode="draft_only"), num_frames)
     for item in items:
         for mode in ("target_only", "draft_only", "first_block_only"):
-            result, metrics = _run(pipe, *item, SDVGOptions(mode=mode), num_frames)
+            result, metrics = run_clip(pipe, *item, SDVGOptions(mode=mode), num_frames)
             record(mode, mode, None, None, item, result, metrics)
         for tau in taus:
             pipe.router.tau = float(tau)
-            result, metrics = _run(pipe, *item, SDVGOptions(mode="sdvg"), num_frames)
+            result, metrics = run_clip(pipe, *item, SDVGOptions(mode="sdvg"), num_frames)
             record(f"sdvg tau={tau:g}", "sdvg", float(tau), None, item, result, metrics)
         log(f"  {item[0]!r} seed {item[1]}: done")
     # Random routing is judged on the whole decision trees instead (tree_verdict): exact, not sampled.
@@ -230,7 +185,7 @@ def block_seconds_of(configs: dict, num_frames: int = NUM_FRAMES) -> dict | None
     def summed(runs, key, model):  # a model's per-kind calls (or seconds) over the runs of one mode
         return dict(sum((Counter(r[key][model]) for r in runs), Counter()))
 
-    from .tree import call_costs
+    from .clips import call_costs
 
     calls = call_costs({"target": summed(t, "model_calls", "target"), "drafter": summed(d, "model_calls", "drafter")},
                        {"target": summed(t, "model_call_seconds", "target"),

@@ -103,7 +103,7 @@ def load(path: Path = ROUTING_FILE) -> dict:
 
 
 def shipped(weights: str) -> dict | None:
-    """The shipped table when it was made with weights ``weights`` (a :func:`sdvg_engine.toy.tree.weights_hash`),
+    """The shipped table when it was made with weights ``weights`` (a :func:`sdvg_engine.toy.clips.weights_hash`),
     else None: its figures would describe other models."""
     data = load()
     return data if data.get("weights") == weights else None

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -55,7 +54,8 @@ from ..router import RandomRouter, RewardRouter, TauState
 from ..sampling import SeededNoise
 from .baselines import rows_from_trees
 from .baselines import table as baseline_table
-from .demo import NUM_FRAMES, build_pipeline, prompts_for
+from .clips import DESIGN_PROMPTS, NUM_FRAMES, REPORT_PROMPTS, SPLITS, build_pipeline, clip_list, split_clips
+from .clips import measure_block_seconds, weights_hash
 from .models import WEIGHTS, load_reward, load_toy_models, sha256
 from .text import embed_caption
 from .tree_frames import ScoredFrames, block_scores, format_diagnostics, frames_path, rescore, reward_diagnostics
@@ -83,12 +83,7 @@ VETO_MODES = ("fixed", "relative", "anchor", "baseline")  # schedule_veto_<m>: t
 VETO_EVERY = (2, 3, 4, 6)  # schedule_veto: k
 VETO_QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.3)  # schedule_veto: taus at these quantiles of the mode's margins
 SPEED_TARGET = 1.6  # "matched speed": the best quality at >= this cost-model speedup
-# The held-out split (issue 24), indices into demo.prompts_for(REPORT_PROMPTS[1]) (showcase prompts first): every
-# earlier figure (and every default: taus, rates, the reward's training checks) used prompts 0-47; prompts 48-87 were
-# used by nothing before the split. Choose settings on DESIGN only; quote REPORT.
-DESIGN_PROMPTS = (0, 48)
-REPORT_PROMPTS = (48, 88)
-SPLITS = {"design": DESIGN_PROMPTS, "report": REPORT_PROMPTS}
+
 
 
 # ============================================================================================== the tree
@@ -497,24 +492,6 @@ def model_calls(model: str, blocks, last, calls: dict):
     return c["steps"] * blocks + passes
 
 
-def call_costs(calls: dict, call_seconds: dict, num_blocks: int) -> dict:
-    """Each model's call structure and seconds per DiT call, from a target-only and a draft-only run:
-    ``calls`` / ``call_seconds`` ``{"target": report["model_calls"]["target"] of the target-only run, "drafter": the
-    draft-only run's}`` (the pipeline's per-kind call counts and seconds). Returns ``{model: {"steps", "context",
-    "per_call"}}``: denoising calls per block, ``global_cache`` (commit passes) or ``recompute_window``, and the mean
-    seconds of one call (a t=0 context pass has the shape of a denoising call)."""
-    out = {}
-    for model in ("drafter", "target"):
-        c, sec = calls[model], call_seconds[model]
-        if not c.get("denoise") or c["denoise"] % num_blocks:
-            raise ValueError(f"{model}: {c.get('denoise')} denoising calls is not a whole schedule per block over "
-                             f"{num_blocks} blocks (expected the calls of an all-{model} run)")
-        out[model] = {"steps": c["denoise"] // num_blocks,
-                      "context": "recompute_window" if c.get("recompute") else "global_cache",
-                      "per_call": sum(sec.values()) / sum(c.values())}
-    return out
-
-
 def _speedup(counts: dict, num_blocks: int, num_clips: int, seconds: dict | None) -> float | None:
     """Cost-model speedup over target-only (one worker, summed over clips): the DiTs' calls (:func:`model_calls`,
     their context passes included) times their seconds per call (``seconds["calls"]``, :func:`call_costs`), plus
@@ -524,7 +501,7 @@ def _speedup(counts: dict, num_blocks: int, num_clips: int, seconds: dict | None
     calls = seconds.get("calls")
     if calls is None:
         raise ValueError("block_seconds has no per-call costs ('calls'; measured before the cost model counted the "
-                         "DiTs' context passes): measure them again (tree.measure_block_seconds)")
+                         "DiTs' context passes): measure them again (clips.measure_block_seconds)")
     dit = sum(float(np.sum(model_calls(m, np.asarray(counts[m]), np.asarray(counts[f"{m}_last"]), calls)))
               * calls[m]["per_call"] for m in ("drafter", "target"))
     cost = dit + sum(float(np.sum(counts[c])) * seconds[c] for c in ("decode", "score"))
@@ -758,12 +735,6 @@ def _best_fixed(report: dict) -> dict | None:
 
 
 # ============================================================================================== cache, timing, CLI
-def weights_hash(weights: Path) -> str:
-    """A short hash of a weights folder's MANIFEST.json (the files' sha256, checked when the models load)."""
-    manifest = json.loads((Path(weights) / "MANIFEST.json").read_text())
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def tree_path(cache: Path, key: dict) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "_", key["caption"].lower()).strip("_")
     folder = f"{key['preset']}_{key['num_frames']}f_{key['crop']}_{key['preprocess']}"
@@ -801,55 +772,6 @@ def load_or_build(builder: TreeBuilder, cache: Path | None, caption: str, seed: 
         tmp.write_text(json.dumps(tree.to_json()))
         tmp.replace(path)
     return (tree, scored) if frames else tree
-
-
-def measure_block_seconds(models, *, preset: str = "native", num_frames: int = NUM_FRAMES,
-                          caption: str = "a red ball moving right on black", repeats: int = 2) -> dict:
-    """Seconds per block of each component, measured on ``models`` with the pipeline's own timers (one worker;
-    the fastest of ``repeats`` after a warm-up): drafter and target (their context passes included) from
-    draft_only / target_only runs, decode from both, reward from scoring one 12-frame block."""
-    pipe = build_pipeline(models, preset=preset, workers=1)
-    fpb = pipe.target.frames_per_block
-    B = video_frames_to_latent_frames(num_frames, fpb) // fpb
-    embeds = embed_caption(caption)
-    runs = {}
-    for mode in ("target_only", "draft_only"):
-        best = None
-        for _ in range(repeats + 1):  # the first is a warm-up
-            report = pipe.generate(embeds, prompt=caption, num_frames=num_frames, width=SIZE, height=SIZE, seed=0,
-                                   options=SDVGOptions(mode=mode)).report
-            best = report if best is None or report["seconds"]["wall"] < best["seconds"]["wall"] else best
-        runs[mode] = best
-    frames = torch.rand(4 * fpb, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
-    prompt = pipe.router.scorer.encode_prompt(caption)
-    times = []
-    for _ in range(repeats + 3):
-        t = time.perf_counter()
-        pipe.router.score_frames(frames, prompt)
-        times.append(time.perf_counter() - t)
-    seconds = {mode: r["seconds"] for mode, r in runs.items()}
-    return {"drafter": seconds["draft_only"]["drafter"] / B, "target": seconds["target_only"]["target"] / B,
-            "decode": (seconds["draft_only"]["vae"] + seconds["target_only"]["vae"]) / (2 * B), "score": min(times[1:]),
-            "calls": call_costs({"target": runs["target_only"]["model_calls"]["target"],
-                                 "drafter": runs["draft_only"]["model_calls"]["drafter"]},
-                                {"target": runs["target_only"]["model_call_seconds"]["target"],
-                                 "drafter": runs["draft_only"]["model_call_seconds"]["drafter"]}, B),
-            "threads": torch.get_num_threads()}
-
-
-def clip_list(clips: int, seeds: int = 1, skip: int = 0) -> list[tuple[str, int]]:
-    """``clips`` prompts (:func:`demo.prompts_for`: the showcase prompts first, then a fixed spread) less the first
-    ``skip`` of them, x seeds ``0 .. seeds-1``."""
-    return [(p, s) for s in range(seeds) for p in prompts_for(clips)[skip:]]
-
-
-def split_clips(split: str, seeds: int = 1) -> list[tuple[str, int]]:
-    """The clips of a fixed split (:data:`SPLITS`): ``design`` = prompts 0-47, ``report`` = prompts 48-87 of
-    :func:`demo.prompts_for`, x seeds ``0 .. seeds-1``."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {tuple(SPLITS)}, got {split!r}")
-    lo, hi = SPLITS[split]
-    return clip_list(hi, seeds, lo)
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -927,7 +849,7 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--weights", default=str(WEIGHTS), help="toy weights folder (default: the shipped weights)")
     ap.add_argument("--cache", default="outputs/tree_cache", help="folder of per-clip trees (reused; shards share it)")
     ap.add_argument("--out", default="outputs/toy_tree.json", help="the JSON report")
-    ap.add_argument("--clips", type=int, default=DEFAULT_CLIPS, help="prompts (demo.prompts_for: showcase prompts first)")
+    ap.add_argument("--clips", type=int, default=DEFAULT_CLIPS, help="prompts (clips.prompts_for: showcase prompts first)")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per prompt (0 .. seeds-1)")
     ap.add_argument("--frames", type=int, default=NUM_FRAMES, help="frames per clip, 12n - 3 (81 = 7 blocks, 63 nodes)")
     ap.add_argument("--preset", default="native", choices=("native", "reference"))
