@@ -194,12 +194,16 @@ def stored_as(t: torch.Tensor) -> str:
     return dtype_name(t.dtype)
 
 
+def _patched_name(key) -> str:
+    """The parameter a ``ModelPatcher.patches`` key names (a name, or ``(name, offset, ...)`` for a slice)."""
+    return str(key[0] if isinstance(key, tuple) else key)
+
+
 def _applied_by_comfyui(key) -> bool:
     """Whether ComfyUI applies a weight patch on ``key``: its loader patches the ``weight`` and ``bias`` of modules
     (``ModelPatcher.load``), never a raw parameter such as a block's ``modulation`` table (a LoRA's ``.diff`` on it
     is kept in ``patches`` and never used, by ComfyUI's own Wan either)."""
-    name = key[0] if isinstance(key, tuple) else key
-    return str(name).rsplit(".", 1)[-1] in ("weight", "bias")
+    return _patched_name(key).rsplit(".", 1)[-1] in ("weight", "bias")
 
 
 def not_applied(patcher) -> list[str]:
@@ -222,7 +226,7 @@ def not_applied(patcher) -> list[str]:
         skipped.append("hooks")
     if "model_sampling" in (getattr(patcher, "object_patches", None) or {}):
         skipped.append("model_sampling (shift)")
-    raw = sorted(str(k[0] if isinstance(k, tuple) else k) for k in patcher.patches if not _applied_by_comfyui(k))
+    raw = sorted(_patched_name(k) for k in patcher.patches if not _applied_by_comfyui(k))
     if raw:
         shown = ", ".join(name.removeprefix("diffusion_model.") for name in raw[:3])
         skipped.append(f"weight patches on {len(raw)} raw parameters ({shown}{', ...' if len(raw) > 3 else ''}): "

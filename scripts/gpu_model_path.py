@@ -45,35 +45,6 @@ def _import_comfyui(path: Path, cpu: bool):
     return mm, comfy.sd
 
 
-class _Counting:
-    """Counts the fp8 matmul calls (both APIs) while passing them through."""
-
-    def __init__(self):
-        self.calls = 0
-
-    @contextlib.contextmanager
-    def active(self):
-        import torch
-
-        saved = torch._scaled_mm, getattr(torch.nn.functional, "scaled_mm", None)
-
-        def wrap(real):
-            def counted(*args, **kwargs):
-                self.calls += 1
-                return real(*args, **kwargs)
-            return counted
-
-        torch._scaled_mm = wrap(saved[0])
-        if saved[1] is not None:
-            torch.nn.functional.scaled_mm = wrap(saved[1])
-        try:
-            yield self
-        finally:
-            torch._scaled_mm = saved[0]
-            if saved[1] is not None:
-                torch.nn.functional.scaled_mm = saved[1]
-
-
 def _fp8_linears_per_call(source) -> int:
     """The Linears of one DiT call (not the text projections, made once per prompt) whose weights ComfyUI keeps in
     fp8: each should make one fp8 matmul per call on an fp8 card. (0.3.64's scaled-fp8 ops store every Linear in fp8;
@@ -98,6 +69,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from comfyui_in_process import dequantised
     from cuda_rules import cuda_scaled_mm, fp8_card
     from nodes import comfy_nodes, logic
     from node_fixtures import FakeComfyVAE
@@ -114,7 +86,10 @@ def main(argv=None) -> int:
                  "drafter": dict(num_attention_heads=12, ffn_dim=8960, num_layers=4)}
         width, height, frames = 832, 480, 33
     emulated = fp8_card(mm) if args.tiny else contextlib.nullcontext()
-    rules = cuda_scaled_mm if args.tiny else contextlib.nullcontext
+
+    def fp8_matmuls():  # --tiny: CUDA's checks in front of an emulated kernel; on a GPU the real kernels, logged
+        return cuda_scaled_mm(emulate=args.tiny)
+
     report = {"comfyui": args.comfyui, "device": str(device) if args.tiny else torch.cuda.get_device_name(0),
               "emulated_fp8_card": args.tiny, "geometry": [width, height, frames], "sizes": sizes}
     positive = [[text_context(seed=1), {"pooled_output": None}]]
@@ -139,16 +114,8 @@ def main(argv=None) -> int:
         from safetensors.torch import save_file
 
         source = target_patcher.get_model_object("diffusion_model")
-        state = source.state_dict()
-        plain = {}
-        for key, value in state.items():
-            if key.rsplit(".", 1)[-1] in ("scale_weight", "scale_input", "weight_scale", "input_scale", "comfy_quant"):
-                continue
-            scale = state.get(key[:-len("weight")] + "scale_weight") if key.endswith(".weight") else None
-            if scale is None and key.endswith(".weight"):
-                scale = state.get(key[:-len("weight")] + "weight_scale")
-            plain["model.diffusion_model." + key] = (value.float() * (1.0 if scale is None else scale.float())
-                                                     ).to(torch.bfloat16).contiguous()
+        plain = {"model.diffusion_model." + key: value.to(torch.bfloat16).contiguous()
+                 for key, value in dequantised(source).items()}
         save_file(plain, str(tmp / "target_dequantised.safetensors"))
         pack_device = "cpu" if args.tiny else "cuda"
         pack = {"target": logic.load_sdvg_model(str(tmp / "target_dequantised.safetensors"), role="target",
@@ -162,14 +129,13 @@ def main(argv=None) -> int:
 
         # one target DiT call's fp8 matmuls
         view = target.model
-        counter = _Counting()
-        with rules(), counter.active():
+        with fp8_matmuls() as log:
             text_kv = view.encode_text(positive[0][0].to(device))
-            before = counter.calls
+            before = len(log)
             lat = torch.randn(1, 16, 3, height // 8, width // 8, device=device)
             mm.load_models_gpu([target_patcher])
             view.forward_block(lat, torch.full((1, 3), 937.5), text_kv, None, 0)
-            report["fp8_matmuls"] = {"encode_text": before, "per_dit_call": counter.calls - before,
+            report["fp8_matmuls"] = {"encode_text": before, "per_dit_call": len(log) - before,
                                      "fp8_linears_per_dit_call": _fp8_linears_per_call(source)}
 
         timings = {}
@@ -183,7 +149,7 @@ def main(argv=None) -> int:
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     started = time.perf_counter()
-                    with rules():
+                    with fp8_matmuls():
                         out = run(d, t, services, mode)
                     if device.type == "cuda":
                         torch.cuda.synchronize()

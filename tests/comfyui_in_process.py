@@ -1,13 +1,17 @@
 """ComfyUI imported in this process from a checkout, the one way the in-process checks need it
 (``tests/test_comfy_model.py``, ``tests/test_load_order.py``, ``scripts/gpu_model_path.py``): the pack's ``nodes``
 package ahead of ComfyUI's own ``nodes.py``, the launch flags set before ``comfy.model_management`` is first imported
-(it reads them once), and the LTS fork's ``comfy.cmd.folder_paths`` under upstream's name ``folder_paths``.
+(it reads them once), and the LTS fork's ``comfy.cmd.folder_paths`` under upstream's name ``folder_paths``; and
+:func:`dequantised`, the float weights a loaded ComfyUI DiT computes with (the reference for its fp8 / scaled-fp8
+storage).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +41,20 @@ def import_comfyui(path, *, cpu: bool = True):
 
         sys.modules["folder_paths"] = folder_paths
     return comfy.model_management
+
+
+#: per-tensor scale keys of scaled-fp8 weights: 0.3.64 (scaled_fp8 ops) / the LTS fork (QuantizedTensor layouts)
+SCALE_KEYS = ("scale_weight", "weight_scale")
+
+
+def dequantised(source: torch.nn.Module) -> dict:
+    """The weights a ComfyUI DiT holds, in float32: fp8 values widened, scaled-fp8 ones times their scale."""
+    state = source.state_dict()
+    out = {}
+    for key, value in state.items():
+        if key.rsplit(".", 1)[-1] in SCALE_KEYS + ("scale_input", "input_scale", "comfy_quant"):
+            continue
+        scales = [state.get(f"{key[:-len('weight')]}{name}") for name in SCALE_KEYS] if key.endswith(".weight") else []
+        scale = next((s for s in scales if s is not None), None)
+        out[key] = value.float() * (scale.float() if scale is not None else 1.0)
+    return out

@@ -40,7 +40,7 @@ def check_scaled_mm(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, 
         raise error("mat2 must be a matrix")
     if mat1.shape[1] != mat2.shape[0]:
         raise error(f"mat1 and mat2 shapes cannot be multiplied ({mat1.shape[0]}x{mat1.shape[1]} and "
-                           f"{mat2.shape[0]}x{mat2.shape[1]})")
+                    f"{mat2.shape[0]}x{mat2.shape[1]})")
     if scale_a.numel() != 1 or scale_b.numel() != 1:
         raise NotImplementedError("cuda_rules emulates tensor-wise scaling only (row-wise / block scales given)")
     if scale_result is not None and (scale_result.numel() != 1 or scale_result.dtype != torch.float32):
@@ -49,7 +49,7 @@ def check_scaled_mm(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, 
         raise error(f"Bias must be size {mat2.shape[1]} but got {bias.numel()}")
     if mat1.shape[1] % 16:
         raise error(f"Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape: "
-                           f"({mat1.shape[0]}x{mat1.shape[1]}).")
+                    f"({mat1.shape[0]}x{mat1.shape[1]}).")
     if mat2.shape[0] % 16 or mat2.shape[1] % 16:
         raise error(f"mat2 shape ({mat2.shape[0]}x{mat2.shape[1]}) must be divisible by 16")
     if mat1.dtype not in _FP8:
@@ -93,11 +93,19 @@ class ScaledMMLog:
 
 
 @contextlib.contextmanager
-def cuda_scaled_mm():
+def cuda_scaled_mm(emulate: bool = True):
     """``torch._scaled_mm`` (and ``torch.nn.functional.scaled_mm``, its public successor) under CUDA's checks,
-    computed on the CPU; yields the :class:`ScaledMMLog`."""
+    computed on the CPU; yields the :class:`ScaledMMLog`. ``emulate=False`` (on a real GPU): the real kernels run,
+    and every call is logged."""
     log = ScaledMMLog()
     real = torch._scaled_mm
+    real_v2 = getattr(torch.nn.functional, "scaled_mm", None)
+
+    def logged(kernel):
+        def call(mat_a, mat_b, *args, **kwargs):
+            log.calls.append((tuple(mat_a.shape), tuple(mat_b.shape), None, None))
+            return kernel(mat_a, mat_b, *args, **kwargs)
+        return call
 
     def scaled_mm(mat1, mat2, scale_a=None, scale_b=None, bias=None, scale_result=None, out_dtype=None,
                   use_fast_accum=False):
@@ -118,8 +126,6 @@ def cuda_scaled_mm():
             result = result + bias.float()
         return result.to(out)
 
-    real_v2 = getattr(torch.nn.functional, "scaled_mm", None)
-
     def scaled_mm_v2(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, swizzle_a=None, swizzle_b=None,
                      bias=None, output_dtype=torch.bfloat16, contraction_dim=(), use_fast_accum=False):
         # torch >= 2.10's public API (comfy-kitchen's fp8 linear, ComfyUI >= 0.4 with mixed-precision ops)
@@ -130,9 +136,9 @@ def cuda_scaled_mm():
                                       f"{scale_recipe_b}")
         return emulate(mat_a, mat_b, scale_a, scale_b, bias, None, output_dtype, use_fast_accum, v2=True)
 
-    torch._scaled_mm = scaled_mm
+    torch._scaled_mm = scaled_mm if emulate else logged(real)
     if real_v2 is not None:
-        torch.nn.functional.scaled_mm = scaled_mm_v2
+        torch.nn.functional.scaled_mm = scaled_mm_v2 if emulate else logged(real_v2)
     try:
         yield log
     finally:

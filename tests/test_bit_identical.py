@@ -127,17 +127,23 @@ def _split_taus() -> dict:
     return taus
 
 
-def capture() -> None:
+def _record(taus: dict) -> dict:
+    """Every case's outputs with 1 worker, refused unless 2 workers give the same."""
     torch.set_num_threads(1)
-    taus = _split_taus()
     cases = {}
     for preset in PRESETS:
         for case in CASES:
             one = run_case(case, preset, 1, taus)
-            two = run_case(case, preset, 2, taus)
-            if one != two:
-                raise SystemExit(f"{preset}/{case}: 1 and 2 workers differ before any change; fix that first")
+            if one != run_case(case, preset, 2, taus):
+                raise SystemExit(f"{preset}/{case}: 1 and 2 workers differ; fix that first")
             cases[f"{preset}/{case}"] = one
+    return cases
+
+
+def capture() -> None:
+    torch.set_num_threads(1)  # before the thresholds are measured too
+    taus = _split_taus()
+    cases = _record(taus)
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps({"torch": torch.__version__, "frames": FRAMES, "seed": SEED, "prompt": PROMPT,
                                   "taus": taus, "cases": cases}, indent=1) + "\n")
@@ -164,18 +170,11 @@ def machine() -> str:
 
 def capture_machine() -> None:
     """Add this CPU's outputs under ``machines``, with the recorded thresholds (the decisions must stay the same)."""
-    torch.set_num_threads(1)
     golden = _golden()
-    cases = {}
-    for preset in PRESETS:
-        for case in CASES:
-            one = run_case(case, preset, 1, golden["taus"])
-            if one != run_case(case, preset, 2, golden["taus"]):
-                raise SystemExit(f"{preset}/{case}: 1 and 2 workers differ; fix that first")
-            if one["decisions"] and [d[:3] for d in one["decisions"]] != [
-                    d[:3] for d in golden["cases"][f"{preset}/{case}"]["decisions"]]:
-                raise SystemExit(f"{preset}/{case}: other decisions than the first recording's on this CPU")
-            cases[f"{preset}/{case}"] = one
+    cases = _record(golden["taus"])
+    for key, out in cases.items():
+        if [d[:3] for d in out["decisions"]] != [d[:3] for d in golden["cases"][key]["decisions"]]:
+            raise SystemExit(f"{key}: other decisions than the first recording's on this CPU")
     golden.setdefault("machines", {})[machine()] = {"torch": torch.__version__, "cases": cases}
     GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
     print(f"wrote {len(cases)} cases for {machine()} to {GOLDEN}")

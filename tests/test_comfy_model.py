@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfyui_in_process import import_comfyui, is_checkout
+from comfyui_in_process import SCALE_KEYS, dequantised, import_comfyui, is_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
@@ -140,23 +140,6 @@ def merged(state: dict, lora: dict, strength: float) -> dict:
             target = name[len("diffusion_model."):] + ".weight"
             scale = lora[name + ".alpha"].item() / down.shape[0]
             out[target] = state[target] + strength * scale * (up @ down)
-    return out
-
-
-#: per-tensor scale keys of scaled-fp8 weights: 0.3.64 (scaled_fp8 ops) / the LTS fork (QuantizedTensor layouts)
-SCALE_KEYS = ("scale_weight", "weight_scale")
-
-
-def dequantised(source: torch.nn.Module) -> dict:
-    """The weights a ComfyUI DiT holds, in float32: fp8 values widened, scaled-fp8 ones times their scale."""
-    state = source.state_dict()
-    out = {}
-    for key, value in state.items():
-        if key.rsplit(".", 1)[-1] in SCALE_KEYS + ("scale_input", "input_scale", "comfy_quant"):
-            continue
-        scales = [state.get(f"{key[:-len('weight')]}{name}") for name in SCALE_KEYS] if key.endswith(".weight") else []
-        scale = next((s for s in scales if s is not None), None)
-        out[key] = value.float() * (scale.float() if scale is not None else 1.0)
     return out
 
 

@@ -390,26 +390,29 @@ class CausalWanForward:
         def per_frame(t):  # [B, L, D] <-> [B, F, tokens/frame, D] so modulation broadcasts per frame
             return t.view(B, n_frames, tpf, -1)
 
+        def norm_input(t):  # the norms' input: float32 as the reference implementations, or the host's dtype
+            return t if host else t.float()
+
         hooks = self.block_hooks
         for layer, block in enumerate(self.blocks):
             if hooks is not None:
                 hooks.before(layer)
             shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table.float() + modulation).unsqueeze(3).unbind(2)
-            normed = (per_frame(block.norm1(x if host else x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
+            normed = (per_frame(block.norm1(norm_input(x))) * (1 + scale) + shift).flatten(1, 2).to(dtype)
             attn_out = self._self_attention(block.attn1, normed, rope, kv_cache, layer, start_frame, attn_mask)
             x = (x.float() + (per_frame(attn_out.float()) * gate).flatten(1, 2)).to(dtype)
 
-            normed = block.norm2(x if host else x.float()).to(dtype)
+            normed = block.norm2(norm_input(x)).to(dtype)
             x = x + self._cross_attention(block.attn2, normed, text_kv.keys[layer], text_kv.values[layer])
 
-            normed = (per_frame(block.norm3(x if host else x.float())) * (1 + c_scale) + c_shift).flatten(1, 2).to(dtype)
+            normed = (per_frame(block.norm3(norm_input(x))) * (1 + c_scale) + c_shift).flatten(1, 2).to(dtype)
             ff_out = block.ffn(normed)
             x = (x.float() + (per_frame(ff_out.float()) * c_gate).flatten(1, 2)).to(dtype)
             if hooks is not None:
                 hooks.after(layer)
 
         shift, scale = (self.scale_shift_table.float() + temb.unsqueeze(2)).unsqueeze(3).unbind(2)
-        x = (per_frame(self.norm_out(x if host else x.float())) * (1 + scale) + shift).flatten(1, 2).to(dtype)
+        x = (per_frame(self.norm_out(norm_input(x))) * (1 + scale) + shift).flatten(1, 2).to(dtype)
         x = self.proj_out(x)
         # Unpatchify: tokens (f, hp, wp) x (p_t, p_h, p_w, C) -> [B, C, F, h, w].
         x = x.reshape(B, n_frames, hp, wp, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
