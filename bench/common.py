@@ -26,8 +26,8 @@ def accept_pattern(accepted: int, drafted: int) -> list[bool]:
     return [((i + 1) * accepted) // drafted > (i * accepted) // drafted for i in range(drafted)]
 
 
-def text_context(dim: int = 4096, device="cpu") -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
+def text_context(dim: int = 4096, device="cpu", seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
     ctx = torch.zeros(1, 512, dim)
     ctx[:, :12] = torch.randn(1, 12, dim, generator=g) * 0.2
     return ctx.to(device)

@@ -307,6 +307,39 @@ def block_times(gpu: GPU, *, blocks: int = 9, drafter_context: str = "global_cac
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def text_encode_cost(name: str) -> Cost:
+    """One prompt's cross-attention K/V (the text MLP and every layer's K/V projections over 512 rows): what a model
+    pays at a prompt schedule's switch (:meth:`sdvg_engine.generator.CausalGenerator.use_prompt_of`)."""
+    layers = wan_config(name)["num_layers"]
+    one, two = (_text_encode_cost(_meta_dit(name, n)[0]) for n in (1, 2))  # built outside the count
+    return one + (two + one.scale(-1)).scale(layers - 1)
+
+
+def _text_encode_cost(model) -> Cost:
+    return count_cost(lambda: model.encode_text(torch.zeros(1, 512, 4096, device="meta")))
+
+
+def switch_seconds(gpu: GPU, switch_block: int, *, drafter_context: str = "global_cache",
+                   target_context: str = "recompute_window", efficiency: dict[str, Efficiency] | None = None) -> dict:
+    """What a prompt switch at ``switch_block`` adds to a video on ``gpu``, per model: its text encode, and the
+    re-cache of the committed frames under the new prompt. A recompute window rebuilds its context before every block
+    anyway (nothing extra); a global cache re-runs the commit pass of every block before the switch, of which one
+    (block ``switch_block - 1``'s) it pays anyway. The target-made block after the switch (``target_after_switch``)
+    is priced by the schedule, like block 0."""
+    eff = {**EFFICIENCY, **(efficiency or {})}
+    out = {}
+    for prefix, name, context in (("drafter", DRAFTER, drafter_context), ("target", TARGET, target_context)):
+        text = roofline_seconds(*asdict(text_encode_cost(name)).values(), gpu, eff["dit"])
+        recache = 0.0
+        if context == "global_cache":
+            recache = sum(roofline_seconds(*asdict(dit_call_cost(name, FRAMES_PER_BLOCK * b)).values(), gpu, eff["dit"])
+                          for b in range(switch_block - 1))
+        out[prefix] = {"text_encode_s": text, "recache_s": recache, "extra_calls": max(0, switch_block - 1)
+                       if context == "global_cache" else 0}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ schedules
 SCHEDULES = ("reference", "sequential", "overlapped")
 PAPER_RATES = (0.731, 0.780, 0.834, 0.875)
@@ -794,11 +827,30 @@ def main(argv: Sequence[str] | None = None) -> dict:
               "components": {k: asdict(v) for k, v in costs.items()},
               "projection": proj, "calibration": calib, "calibration_with_paper_scoring": calib_measured,
               "calibration_fitted": {"dit_efficiency": asdict(fitted), **calib_fitted}}
+    result["prompt_switch"] = {gpu: {str(b): switch_seconds(GPUS[gpu], b, efficiency=efficiency)
+                                     for b in range(1, args.blocks)} for gpu in args.gpus}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print_tables(costs, proj, calib, calib_measured, efficiency, calib_fitted, fitted)
+        _print_switch_price(result["prompt_switch"], args.blocks, efficiency)
     return result
+
+
+def _print_switch_price(price: dict, blocks: int, efficiency: dict) -> None:
+    """What a prompt switch adds (text encodes + the drafter's global-cache re-cache), beside one target block."""
+    print("\n## A prompt switch (issue 39): extra seconds at 832x480, Self-Forcing drafter (global cache) + Krea "
+          "target (recompute window)\n")
+    print("| GPU | switch at block | drafter re-cache (extra t=0 passes) | text encodes (both) | share of one target block |")
+    print("|---|---|---|---|---|")
+    for gpu, rows in price.items():
+        times = block_times(GPUS[gpu], blocks=blocks, efficiency=efficiency)
+        target_block = 5 * times["target_call"][1] + times["target_context"][1]
+        for b, row in rows.items():
+            extra = row["drafter"]["recache_s"]
+            text = row["drafter"]["text_encode_s"] + row["target"]["text_encode_s"]
+            print(f"| {gpu} | {b} | {extra:.3f} s ({row['drafter']['extra_calls']}) | {text * 1000:.1f} ms | "
+                  f"{(extra + text) / target_block:.1%} |")
 
 
 if __name__ == "__main__":

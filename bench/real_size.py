@@ -158,6 +158,9 @@ def main():
     p.add_argument("--workers", type=int, choices=(1, 2), default=1,
                    help="2: the target on a lane of its own beside the drafter side, on the one device (CUDA streams "
                         "are not used; the lanes are threads)")
+    p.add_argument("--prompt-switch", action="store_true",
+                   help="also run one SDVG video whose prompt changes at the middle block (a prompt schedule with "
+                        "the engine's switch defaults: the text re-encodes and the drafter's re-cache at the switch)")
     args = p.parse_args()
     if args.offload != "none" and not args.tiny and not torch.cuda.is_available():
         p.error("--offload streams transformer blocks from CPU RAM to a CUDA GPU, and no CUDA device is visible; "
@@ -175,7 +178,7 @@ def main():
     ctx = text_context(device=device)
     per_block = component_table(drafter, target, vae, scorer, ctx, h, w, device, 1 if args.tiny else args.repeats)
 
-    def run(mode, pattern=None):
+    def run(mode, pattern=None, switch_at=None):
         router = ForcedRouter(scorer, pattern) if pattern is not None else RewardRouter(scorer, tau=0.0)
         # as their checkpoints say (native): the 1.3B on its global cache, the 14B (Krea) on the recompute window
         pipe = build_pipeline(LoadedDiT(drafter, "global_cache", "self_forcing"),
@@ -183,7 +186,9 @@ def main():
                               max_frames=max(21, 3 * args.blocks))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        report = pipe.generate(ctx, prompt="a cat", num_frames=frames, width=width, height=height, seed=42,
+        prompts = {"prompt_embeds": ctx, "prompt": "a cat"} if switch_at is None else {
+            "prompt_schedule": [(0, ctx, "a cat"), (switch_at, text_context(seed=2, device=device), "a dog")]}
+        report = pipe.generate(**prompts, num_frames=frames, width=width, height=height, seed=42,
                                options=SDVGOptions(mode=mode), workers=args.workers).report
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         return report, peak
@@ -194,6 +199,11 @@ def main():
     for frac in (0.0, 0.731, 0.875, 1.0):
         accepted = round(frac * drafted)
         results.append((f"SDVG {accepted}/{drafted} accepted ({frac:.1%})", *run("sdvg", accept_pattern(accepted, drafted))))
+    if args.prompt_switch:
+        switch = args.blocks // 2
+        accepted = round(0.875 * drafted)
+        results.append((f"SDVG {accepted}/{drafted} accepted, prompt switch at block {switch}",
+                        *run("sdvg", accept_pattern(accepted, drafted), switch_at=switch)))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"## SDVG real-size benchmark ({'tiny configs' if args.tiny else 'Wan2.1 1.3B drafter + 14B target'}, "

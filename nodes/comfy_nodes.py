@@ -177,8 +177,9 @@ class ComfyServices(services.Services):
 
 
 # ------------------------------------------------------------------------------------------------- schema building
-_CUSTOM = {name: io.Custom(name) for name in (schema.SDVG_MODEL, schema.SDVG_ROUTER, schema.SDVG_OPTIONS)}
-_SOCKETS = {"CONDITIONING": io.Conditioning, "VAE": io.Vae, "IMAGE": io.Image, "MASK": io.Mask,
+_CUSTOM = {name: io.Custom(name) for name in (schema.SDVG_MODEL, schema.SDVG_ROUTER, schema.SDVG_OPTIONS,
+                                              schema.SDVG_PROMPT_SCHEDULE)}
+_SOCKETS = {"CONDITIONING": io.Conditioning, "CLIP": io.Clip, "VAE": io.Vae, "IMAGE": io.Image, "MASK": io.Mask,
             "LATENT": io.Latent, "FLOAT": io.Float, "STRING": io.String, schema.MODEL: io.Model, **_CUSTOM}
 
 
@@ -319,8 +320,34 @@ class SDVGTargetFromModel(io.ComfyNode):
         return _output(logic.run_node("SDVGTargetFromModel", ComfyServices(), **inputs))
 
 
+class SDVGPromptSchedule(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.PROMPT_SCHEDULE)
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGPromptSchedule", ComfyServices(), **inputs))
+
+
+class SDVGPromptSwitch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return build_schema(schema.PROMPT_SWITCH)
+
+    @classmethod
+    def validate_inputs(cls, start_frame):
+        # Ours instead of ComfyUI's range check: frame 0 and frames between block starts get a message with the fix
+        # (the sampler checks the frame against its length).
+        return logic.start_frame_problem(start_frame) or True
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return _output(logic.run_node("SDVGPromptSwitch", ComfyServices(), **inputs))
+
+
 NODE_CLASSES = [SDVGLoadDrafter, SDVGLoadTarget, SDVGRewardRouter, SDVGSpeculativeSampler, SDVGLoadPromptEmbeddings,
-                SDVGAdvancedOptions, SDVGDrafterFromModel, SDVGTargetFromModel]
+                SDVGAdvancedOptions, SDVGDrafterFromModel, SDVGTargetFromModel, SDVGPromptSchedule, SDVGPromptSwitch]
 assert [c.__name__ for c in NODE_CLASSES] == [s.node_id for s in schema.NODES]
 
 

@@ -300,25 +300,26 @@ def streaming_vae(source, services: Services) -> tuple[StreamingWanVAE, Any]:
 
 
 # ===================================================================================================== conditioning
-def context_from_conditioning(conditioning, text_dim: int = TEXT_DIM) -> torch.Tensor:
-    """The UMT5 context ``[1, L, text_dim]`` of a ComfyUI CONDITIONING ``[[tensor, {...}]]`` (not copied)."""
+def context_from_conditioning(conditioning, text_dim: int = TEXT_DIM, name: str = "positive") -> torch.Tensor:
+    """The UMT5 context ``[1, L, text_dim]`` of a ComfyUI CONDITIONING ``[[tensor, {...}]]`` (not copied); errors name
+    the input ``name`` (the sampler's ``positive``, or a switch of its ``prompt_schedule``)."""
     hint = ("SDVG needs Wan2.1's UMT5-XXL text encoding [1, >=512, 4096]: use CLIPLoader with type 'wan' and "
             "umt5_xxl (e.g. umt5_xxl_fp8_e4m3fn_scaled.safetensors) -> CLIPTextEncode, or SDVG Load Prompt Embeddings.")
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
-        raise ValueError(f"positive: expected a CONDITIONING, got {type(conditioning).__name__}. {hint}")
+        raise ValueError(f"{name}: expected a CONDITIONING, got {type(conditioning).__name__}. {hint}")
     if len(conditioning) != 1:
-        raise ValueError(f"positive: SDVG takes one prompt, got a CONDITIONING with {len(conditioning)} entries "
+        raise ValueError(f"{name}: SDVG takes one prompt, got a CONDITIONING with {len(conditioning)} entries "
                          "(combined or concatenated conditionings are not supported).")
     entry = conditioning[0]
     cond = entry[0] if isinstance(entry, (list, tuple)) and entry else None
     if not isinstance(cond, torch.Tensor) or cond.ndim != 3:
         shape = tuple(cond.shape) if isinstance(cond, torch.Tensor) else type(cond).__name__
-        raise ValueError(f"positive: expected a conditioning tensor [1, L, {text_dim}], got {shape}. {hint}")
+        raise ValueError(f"{name}: expected a conditioning tensor [1, L, {text_dim}], got {shape}. {hint}")
     if cond.shape[-1] != text_dim:
-        raise ValueError(f"positive: the text encoding is {cond.shape[-1]} wide, but the models expect {text_dim} "
+        raise ValueError(f"{name}: the text encoding is {cond.shape[-1]} wide, but the models expect {text_dim} "
                          f"(shape {tuple(cond.shape)}). {hint}")
     if cond.shape[0] != 1:
-        raise ValueError(f"positive: batch size {cond.shape[0]}; SDVG generates one video per run (batch 1)")
+        raise ValueError(f"{name}: batch size {cond.shape[0]}; SDVG generates one video per run (batch 1)")
     return cond
 
 

@@ -10,6 +10,7 @@ model folders. The work lives in one module per thing it serves:
 ``loaders.py``                SDVG Load Drafter / Target, Reward Router, Load Prompt Embeddings; the VAE conversion
 ``comfy_model.py``            SDVG Drafter / Target from MODEL: a ComfyUI MODEL as the engine's causal DiT
 ``sampler.py``                SDVG Speculative Sampler and Advanced Options; replay across executions
+``prompt_schedule.py``        SDVG Prompt Schedule / SDVG Prompt Switch: the prompts a video switches to
 ============================  ===================================================================================
 
 This module re-exports their public names (``logic.run_sampler``, ``logic.Services``, ...), as scripts and tests use
@@ -25,6 +26,7 @@ from .comfy_model import load_model_from_comfy
 from .loaders import (SDVGModel, SDVGRouter, build_router, card_settings, clear_reward_cache,
                       context_from_conditioning, load_embeddings_node, load_model_node, load_prompt_embedding,
                       load_reward_scorer, load_sdvg_model, reward_dtype, streaming_vae)
+from .prompt_schedule import SDVGSchedule, schedule_node, start_frame_problem, switch_node
 from .sampler import (FPS, PREVIEW_MAX_PX, REPLAY_MEMO, SamplerOutput, advanced_options_node, advanced_values,
                       check_comfy_models, check_drafter_not_larger, clear_replay_memo, effective_schedule_veto,
                       frame_to_pil, geometry_problem, needed_inputs, replay_memo_for, run_memory_required, run_sampler,
@@ -61,6 +63,8 @@ _NODE_FUNCTIONS = {
                                                                                      **kw),)),
     "SDVGTargetFromModel": lambda services, **kw: NodeResult((load_model_from_comfy(role="target", services=services,
                                                                                     **kw),)),
+    "SDVGPromptSchedule": lambda services, **kw: NodeResult((schedule_node(**kw),)),
+    "SDVGPromptSwitch": lambda services, **kw: NodeResult((switch_node(**kw),)),
 }
 
 
@@ -85,11 +89,13 @@ def run_node(node_id: str, services: Services, **inputs) -> NodeResult:
 
 
 __all__ = [
-    "FPS", "NodeResult", "PREVIEW_MAX_PX", "REPLAY_MEMO", "SDVGModel", "SDVGRouter", "SamplerOutput", "Services",
+    "FPS", "NodeResult", "PREVIEW_MAX_PX", "REPLAY_MEMO", "SDVGModel", "SDVGRouter", "SDVGSchedule", "SamplerOutput",
+    "Services",
     "advanced_options_node", "advanced_values", "build_router", "card_settings", "check_comfy_models",
     "check_drafter_not_larger", "check_model_name", "clear_replay_memo", "clear_reward_cache", "combo_options",
     "context_from_conditioning", "effective_schedule_veto", "frame_to_pil", "geometry_problem",
     "load_embeddings_node", "load_model_from_comfy", "load_model_node", "load_prompt_embedding", "load_reward_scorer",
     "load_sdvg_model", "needed_inputs", "replay_memo_for", "resolve_devices", "reward_dtype", "run_memory_required",
-    "run_node", "run_sampler", "sampler_summary", "score_plot", "streaming_vae",
+    "run_node", "run_sampler", "sampler_summary", "schedule_node", "score_plot", "start_frame_problem",
+    "streaming_vae", "switch_node",
 ]

@@ -21,6 +21,7 @@ from sdvg_engine.pipeline import SDVGOptions, SDVGResult, video_frames_to_latent
 
 from . import schema
 from .loaders import SDVGModel, SDVGRouter, context_from_conditioning, streaming_vae
+from .prompt_schedule import SDVGSchedule, engine_schedule
 from .services import Services
 
 __all__ = ["FPS", "PREVIEW_MAX_PX", "REPLAY_MEMO", "SamplerOutput", "advanced_options_node", "advanced_values",
@@ -125,11 +126,13 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                 mode: str = "sdvg", force_first_block: bool = True, refine_from_step: int = 0, cascade: bool = False,
                 random_accept_prob: float = 0.73, services: Services | None = None, preset: str = "reference",
                 workers: str = "auto", replay: bool = True, schedule_every: int = SCHEDULE_EVERY,
-                schedule_veto: bool = False, advanced_options: dict | None = None) -> SamplerOutput:
+                schedule_veto: bool = False, advanced_options: dict | None = None,
+                prompt_schedule: SDVGSchedule | None = None) -> SamplerOutput:
     """The work of SDVGSpeculativeSampler: one speculative generation, all per-run state built here.
 
     With ``replay`` the module's :data:`REPLAY_MEMO` carries earlier runs across executions, so a run that
-    differs only in the router's tau settings reuses every block before its first changed decision."""
+    differs only in the router's tau settings reuses every block before its first changed decision, and one that
+    differs only in later prompt switches (``prompt_schedule``) every block before the first changed switch."""
     services = services or Services()
     if advanced_options is not None:  # SDVG Advanced Options wins over the sampler's own widgets
         chosen = advanced_values(advanced_options)
@@ -150,7 +153,8 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
     options = SDVGOptions(mode=mode, force_first_block=bool(force_first_block),
                           random_accept_prob=float(random_accept_prob),
                           refine_from_step=int(refine_from_step) or None, cascade=bool(cascade),
-                          schedule_every=int(schedule_every), schedule_veto=bool(schedule_veto))
+                          schedule_every=int(schedule_every), schedule_veto=bool(schedule_veto),
+                          **(prompt_schedule.options() if isinstance(prompt_schedule, SDVGSchedule) else {}))
     missing = [role for role in needed_inputs(mode, drafter, target, router=True) if role in ("drafter", "target")]
     if missing:
         raise ValueError(f"mode {mode!r} needs the {' and the '.join(missing)}")
@@ -193,6 +197,11 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
                           target_context=target_model.requested_context_scheme,
                           workers=workers if workers == "auto" else int(workers),
                           memo=replay_memo_for(drafter_model, target_model) if replay else None)
+    schedule = None
+    if prompt_schedule is not None:  # the opening prompt (positive, reward_prompt) at block 0, then the switches
+        schedule = engine_schedule(prompt_schedule, context, prompt, length=int(length),
+                                   frames_per_block=pipe.target.frames_per_block, text_dim=context.shape[-1],
+                                   needs_prompt=scores_drafts, mode=mode)
 
     # In load priority (ComfyServices.load_run): the VAE and the reward (loaded whole), the drafter, then the target,
     # which gets what is left; each keeps what the ones before it need, and room is reserved for what the memory
@@ -213,8 +222,9 @@ def run_sampler(*, drafter: SDVGModel | None, target: SDVGModel | None, router: 
         preview = frame_to_pil(record.frames[-1]) if record.frames is not None and len(record.frames) else None
         services.progress(record.index + 1, total, preview)
 
-    result = pipe.generate(context, prompt=prompt, num_frames=int(length), width=int(width), height=int(height),
-                           seed=int(seed), options=options, before_call=activity.before_call, on_block=on_block)
+    text = dict(prompt_schedule=schedule) if schedule is not None else dict(prompt_embeds=context, prompt=prompt)
+    result = pipe.generate(**text, num_frames=int(length), width=int(width), height=int(height), seed=int(seed),
+                           options=options, before_call=activity.before_call, on_block=on_block)
 
     out_device = services.intermediate_device()
     frames = result.frames.float()
@@ -318,7 +328,7 @@ class _Activity:
         self.services.check_interrupt()  # first: a cancel must raise whatever the label
         if component == "target":
             first = self.done == 0 or not self.options.uses_drafter  # target_only: every target block is new
-            phase = "target context" if kind in ("commit", "recompute") else \
+            phase = "target context" if kind in ("commit", "recompute", "text") else \
                 "target generating" if first else "target regenerating"
         else:
             phase = self._PHASES.get(component, component)
@@ -378,5 +388,9 @@ def sampler_summary(report_json: str) -> str:
         parts.append(f"kept {acc.get('accepted_blocks')}/{acc.get('drafted_blocks')} drafts ({rate:.0%})")
     if speed is not None:
         parts.append(f"~{speed:.2f}x vs target-only")
+    switches = (report.get("settings", {}).get("prompt_schedule") or [])[1:]
+    if switches:
+        parts.append(f"{len(switches) + 1} prompts: switches at frame{'s' if len(switches) > 1 else ''} "
+                     + ", ".join(str(s["first_frame"]) for s in switches))
     return " | ".join(p for p in parts if p)
 

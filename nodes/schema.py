@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sdvg_engine import choices  # torch-free: the choice lists' one home
+from sdvg_engine.options import SDVGOptions  # torch-free: the run options' defaults
 
 CATEGORY = "SDVG"
 
@@ -25,6 +26,7 @@ WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 SDVG_MODEL = "SDVG_MODEL"
 SDVG_ROUTER = "SDVG_ROUTER"
 SDVG_OPTIONS = "SDVG_OPTIONS"
+SDVG_PROMPT_SCHEDULE = "SDVG_PROMPT_SCHEDULE"
 
 #: Where the node reference lives (tooltips point there for the details).
 DOCS = "docs/nodes.md"
@@ -129,6 +131,7 @@ CARDS = ("manual", "16 GB", "24 GB", "48 GB", "80 GB")
 #: Saved workflows keep their own values (they store every widget).
 DEFAULT_TAU_MODE, DEFAULT_TAU = "relative", -0.25
 TAU_MODES = choices.TAU_MODES
+SWITCH_ROUTING = choices.SWITCH_ROUTING
 
 
 def _docs(anchor: str) -> str:
@@ -347,6 +350,12 @@ SAMPLER = NodeSpec(
         InputSpec("advanced_options", SDVG_OPTIONS, optional=True,
                   tooltip="Optional SDVG Advanced Options node: when connected, its values replace this node's "
                           "refine_from_step ... schedule_veto widgets."),
+        InputSpec("prompt_schedule", SDVG_PROMPT_SCHEDULE, optional=True,
+                  tooltip="Optional SDVG Prompt Schedule / SDVG Prompt Switch: the prompts the video switches to at "
+                          "later frames (positive and reward_prompt open it)." + _docs("sdvg-prompt-schedule"),
+                  details="Each switch must start a block (9, 21, 33, ... for 3-latent-frame blocks) inside the "
+                          "video. With a fixed seed, a run that changes only later switches replays every block "
+                          "before the first changed one."),
     ),
     outputs=(
         OutputSpec("frames", "IMAGE", "Decoded video frames [T, H, W, 3], 0..1."),
@@ -390,6 +399,78 @@ LOAD_PROMPT_EMBEDDINGS = NodeSpec(
         OutputSpec("positive", "CONDITIONING", "The prompt's UMT5-XXL context [1, 512, 4096] as CONDITIONING."),
         OutputSpec("prompt", "STRING", "The prompt text stored with it (link it to the sampler's reward_prompt)."),
     ),
+)
+
+_SCHEDULE_DOCS = _docs("sdvg-prompt-schedule")
+#: the prompt-schedule nodes' previous-switches socket (both nodes chain through it)
+_PREVIOUS_SCHEDULE = InputSpec(
+    "schedule", SDVG_PROMPT_SCHEDULE, optional=True,
+    tooltip="Earlier switches (another SDVG Prompt Switch or SDVG Prompt Schedule): chain nodes to switch more than "
+            "once; the switches are put in frame order.")
+_SCHEDULE_OUTPUT = OutputSpec("prompt_schedule", SDVG_PROMPT_SCHEDULE,
+                              "The switches (and settings), for the sampler's prompt_schedule input or the next "
+                              "node's schedule input.")
+
+PROMPT_SCHEDULE = NodeSpec(
+    node_id="SDVGPromptSchedule",
+    display_name="SDVG Prompt Schedule",
+    description="Steers a video while it is made: `frame: prompt` lines, encoded with the clip, switch the prompt at "
+                "those frames (the sampler's positive prompt opens the video). Also sets what happens at each switch.",
+    inputs=(
+        InputSpec("text", "STRING", default="", multiline=True,
+                  tooltip="One `frame: prompt` line per switch (`45: the fox stops and looks back`), its text also "
+                          "its reward prompt; frames start blocks: 9, 21, 33, 45, 57, 69 (81 frames)."
+                          + _SCHEDULE_DOCS,
+                  details="Lines after `#` and blank lines are skipped; a JSON list "
+                          "`[{\"frame\": 45, \"prompt\": \"...\", \"reward_prompt\": \"...\"}]` works too. Frame 0 "
+                          "is refused: the sampler's positive and reward_prompt hold the opening prompt. Block b "
+                          "starts at frame 12 b - 3; the sampler refuses a frame beyond its length."),
+        InputSpec("target_after_switch", "BOOLEAN", default=SDVGOptions.target_after_switch,
+                  tooltip="On: the first block after each switch is made by the target, as block 0 is (draft_only "
+                          "ignores it); off (the default): the router decides it like any block." + _SCHEDULE_DOCS,
+                  details="On, the target anchors the new prompt as it anchors the opening one; on the toy world "
+                          "that bought no measurable quality and cost 7% of the speed (docs/dev/prompt_schedule.md). "
+                          "Off with "
+                          "switch_routing 'reset' and a relative, anchor or baseline tau_mode is refused: the first "
+                          "block after a switch would have no reference score."),
+        InputSpec("switch_routing", "COMBO", options=SWITCH_ROUTING, default=SDVGOptions.switch_routing,
+                  tooltip="What the router's state does at a switch: carry (the default) = compare scores across the "
+                          "switch as they are; reset = each prompt starts like a new video." + _SCHEDULE_DOCS,
+                  details="reset: relative / anchor / baseline compare only with blocks since the switch, and "
+                          "accept_rate's pool restarts from its prior. carry: scores under the old prompt are "
+                          "references for drafts under the new one, although ImageReward likes the prompts "
+                          "differently."),
+        InputSpec("clip", "CLIP", optional=True,
+                  tooltip="The text encoder for the lines: Wan2.1's UMT5-XXL (CLIPLoader with type 'wan'), the "
+                          "one that encodes the sampler's positive prompt."),
+        _PREVIOUS_SCHEDULE,
+    ),
+    outputs=(_SCHEDULE_OUTPUT,),
+)
+
+PROMPT_SWITCH = NodeSpec(
+    node_id="SDVGPromptSwitch",
+    display_name="SDVG Prompt Switch",
+    description="One prompt switch from a CONDITIONING: from start_frame on the video follows this prompt. Chain "
+                "several through schedule; an SDVG Prompt Schedule at the end of the chain sets the switch settings "
+                f"(without one: target_after_switch {'on' if SDVGOptions.target_after_switch else 'off'}, "
+                f"switch_routing {SDVGOptions.switch_routing}).",
+    inputs=(
+        InputSpec("conditioning", "CONDITIONING",
+                  tooltip="The prompt the video switches to, encoded as the sampler's positive is (CLIPTextEncode "
+                          "with Wan2.1's UMT5-XXL)."),
+        InputSpec("start_frame", "INT", default=45, min=9, max=MAX_LENGTH - 1, step=12,
+                  tooltip="The video frame the prompt starts at: the start of a block (9, 21, 33, 45, ...) inside "
+                          "the sampler's length." + _SCHEDULE_DOCS,
+                  details="Block b starts at frame 12 b - 3; frame 0 is the opening prompt's (the sampler's "
+                          "positive)."),
+        InputSpec("reward_prompt", "STRING", default="", multiline=True,
+                  tooltip="The TEXT of this prompt, which ImageReward scores its blocks against (required in mode "
+                          "'sdvg'): link the same text as the conditioning's."),
+        _PREVIOUS_SCHEDULE,
+    ),
+    outputs=(_SCHEDULE_OUTPUT,),
+    validated_inputs=("start_frame",),
 )
 
 #: ComfyUI's own socket type of a loaded diffusion model (Load Diffusion Model, LoraLoaderModelOnly, Unet Loader (GGUF)).
@@ -444,7 +525,7 @@ TARGET_FROM_MODEL = _from_model(
 )
 
 NODES: tuple[NodeSpec, ...] = (LOAD_DRAFTER, LOAD_TARGET, REWARD_ROUTER, SAMPLER, LOAD_PROMPT_EMBEDDINGS,
-                               ADVANCED_OPTIONS, DRAFTER_FROM_MODEL, TARGET_FROM_MODEL)
+                               ADVANCED_OPTIONS, DRAFTER_FROM_MODEL, TARGET_FROM_MODEL, PROMPT_SCHEDULE, PROMPT_SWITCH)
 BY_ID = {spec.node_id: spec for spec in NODES}
 
 

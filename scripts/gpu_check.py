@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: bench/real_size.py configurations, in order of importance (a later one is skipped when the budget cannot fit it)
 CONFIGS = [
-    ("resident bf16", []),
+    ("resident bf16 (+ one video with a prompt switch)", ["--prompt-switch"]),
     ("fp8 target", ["--fp8"]),
     ("fp8 target + offload + fp8 KV (one consumer GPU)", ["--fp8", "--offload", "target", "--kv-dtype", "fp8"]),
     ("2 lanes on one GPU", ["--workers", "2"]),

@@ -34,6 +34,7 @@ _EXPORTS = {
     # the API's other entry points, importable from the package too
     "load_pipeline": ".loaders", "build_pipeline": ".loaders", "load_wan_vae": ".vae", "RewardRouter": ".router",
     "ReplayMemo": ".memo", "load_image_reward": ".reward",
+    "PromptSchedule": ".prompt_schedule", "PromptSegment": ".prompt_schedule", "parse_schedule": ".prompt_schedule",
 }
 
 __all__ = sorted(_EXPORTS)

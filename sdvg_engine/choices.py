@@ -13,3 +13,6 @@ OFFLOAD_CHOICES = ("none", "target", "both")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
 #: the default ``k`` of mode ``schedule`` (the target makes block 0 and every k-th block)
 SCHEDULE_EVERY = 3
+
+#: what the routing state (the reference modes' committed scores, accept_rate's pool) does at a prompt switch
+SWITCH_ROUTING = ("reset", "carry")

@@ -58,6 +58,11 @@ class ContextScheme:
         """Record the final latents (and decoded pixels) of ``block_index`` as context for what follows."""
         raise NotImplementedError
 
+    def invalidate(self) -> None:
+        """The text the cache was built under changed (a prompt switch): rebuild it from the committed frames before
+        the model next generates, by the same passes that built it (so under the new text)."""
+        self.restore(self.snapshot())
+
     def snapshot(self) -> tuple:
         """What :meth:`restore` needs to bring this context back to now (tensor references, no copies)."""
         raise NotImplementedError

@@ -458,6 +458,7 @@ class DryRunConfig:
     fp8_target: bool = False
     offload: str = "none"
     replay: bool = False  # run twice (margin FIRST_TAU, then REPLAY_TAU) with a ReplayMemo: the second run replays
+    switch_at: int | None = None  # a prompt schedule switching to a second prompt at this block (issue 39)
 
     @property
     def label(self) -> str:
@@ -465,6 +466,7 @@ class DryRunConfig:
         extra += ["fp8 target"] if self.fp8_target else []
         extra += [f"offload {self.offload}"] if self.offload != "none" else []
         extra += ["replay"] if self.replay else []
+        extra += [f"prompt switch at block {self.switch_at}"] if self.switch_at is not None else []
         return f"{self.preset} {self.mode} w{self.workers}" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -509,11 +511,14 @@ def meta_stack(*, fp8_target: bool = False, offload: str = "none", kv_dtype: str
     return _STACKS[key]
 
 
-def text_context() -> torch.Tensor:
+def text_context(words: int = 12) -> torch.Tensor:
     """A UMT5-shaped prompt context ``[1, 512, 4096]`` (CPU: the loop hashes it for the replay key)."""
     ctx = torch.zeros(1, 512, 4096)
-    ctx[:, :12] = 0.1
+    ctx[:, :words] = 0.1
     return ctx
+
+
+PROMPT, SWITCHED_PROMPT = "a corgi running on a beach", "a corgi swimming in the sea"
 
 
 def pipeline_for(stack: MetaStack, preset: str, router) -> SpeculativePipeline:
@@ -544,13 +549,16 @@ def dry_run(config: DryRunConfig, *, width: int = 832, height: int = 480, num_fr
     pipe = pipeline_for(stack, config.preset, router)
     pipe.memo = ReplayMemo(max_bytes) if config.replay else None
     options = SDVGOptions(mode=config.mode)  # the defaults of every other option (schedule_every: SDVGOptions')
-    ctx = text_context()
+    if config.switch_at is None:
+        prompts = {"prompt_embeds": text_context(), "prompt": PROMPT}
+    else:  # the schedule's contexts live on the host, like a one-prompt run's
+        prompts = {"prompt_schedule": [(0, text_context(), PROMPT), (config.switch_at, text_context(14), SWITCHED_PROMPT)]}
     taus = (router.tau, REPLAY_TAU) if config.replay else (router.tau,)
     for tau in taus:
         # The scores follow the drafted blocks in order; a replayed run scores only the drafts after its prefix.
         router.tau, router.drafts = tau, replayed_drafts(scores, taus[0], tau) if tau != taus[0] else 0
-        result = pipe.generate(ctx, prompt="a corgi running on a beach", num_frames=num_frames, width=width,
-                               height=height, seed=42, options=options, workers=config.workers)
+        result = pipe.generate(**prompts, num_frames=num_frames, width=width, height=height, seed=42, options=options,
+                               workers=config.workers)
         assert result.frames.shape == (num_frames, height, width, 3), result.frames.shape
     probe, report = stack.probe, result.report
     device = {f"weights: {k}": v for k, v in stack.weight_bytes().items()}
@@ -570,6 +578,8 @@ def dry_run(config: DryRunConfig, *, width: int = 832, height: int = 480, num_fr
     device["activations (largest per-call transient, per lane, summed)"] = sum(per_lane.values())
     replay = report["replay"]
     host = {"recording (one run)": replay["recording_bytes"], "memo (all kept recordings)": replay["memo_bytes"]}
+    if config.switch_at is not None:
+        host["prompt schedule (text contexts)"] = tensor_bytes([ctx for _, ctx, _ in prompts["prompt_schedule"]])
     return DryRunResult(config=config, device=device, host=host, report=report,
                         seconds=time.perf_counter() - started, calls=dict(probe.calls),
                         real_calls=dict(probe.real_calls), transients=dict(probe.transient),
@@ -594,6 +604,7 @@ def configurations() -> list[DryRunConfig]:
             DryRunConfig(preset="native", mode="sdvg", workers=2, fp8_target=True, offload="both", kv_dtype="fp8")]
     out += [DryRunConfig(preset=p, mode="sdvg", workers=w, replay=True)
             for p in ("reference", "native") for w in (1, 2)]
+    out += [DryRunConfig(preset="native", mode="sdvg", workers=w, switch_at=3) for w in (1, 2)]
     return out
 
 

@@ -66,6 +66,9 @@ class CausalGenerator:
         self.timer = ComponentTimer()  # seconds per call kind
         self.before_call: Callable[[str, str], None] | None = None
         self._latent_shape: tuple[int, int, int] | None = None
+        #: the run's text per segment, ``[(first_block, prompt_embeds), ...]`` (one entry without a prompt schedule)
+        self._text_segments: list[tuple[int, torch.Tensor]] = []
+        self._segment = 0  # the segment whose text K/V ``text_kv`` holds (and the KV cache was built under)
 
     @property
     def seconds(self) -> Counter:
@@ -73,8 +76,12 @@ class CausalGenerator:
         return self.timer.seconds
 
     # ---- lifetime of a run --------------------------------------------------------------------------
-    def start(self, prompt_embeds: torch.Tensor, *, latent_height: int, latent_width: int, num_blocks: int) -> None:
-        """Prepare a new video: check its length, (re)use the KV cache, encode the prompt once."""
+    def start(self, prompt_embeds: torch.Tensor, *, latent_height: int, latent_width: int, num_blocks: int,
+              switches: tuple = ()) -> None:
+        """Prepare a new video: check its length, (re)use the KV cache, encode the prompt once.
+
+        switches: ``((first_block, prompt_embeds), ...)`` for the later segments of a prompt schedule
+        (:mod:`sdvg_engine.prompt_schedule`); their text is encoded when their first block is generated."""
         self.context.check_length(num_blocks, self.frames_per_block, self.name)
         batch = prompt_embeds.shape[0]
         capacity = self.context.capacity_frames(self.frames_per_block)
@@ -95,6 +102,7 @@ class CausalGenerator:
                 or not torch.equal(self._text_source, prompt_embeds.to(self._text_source.device))):
             self.text_kv = self.model.encode_text(prompt_embeds)
             self._text_source, self._text_key = prompt_embeds.detach().clone(), text_key
+        self._text_segments, self._segment = [(0, prompt_embeds), *switches], 0
         self.context.reset()
         self.calls.clear()
         self.timer.clear()
@@ -121,6 +129,7 @@ class CausalGenerator:
     def generate_block(self, block_index: int, noise: NoiseSource, *, first_step: int = 0,
                        start_latents: torch.Tensor | None = None) -> BlockSample:
         """Denoise block ``block_index`` from its noise (or from ``start_latents`` at ``first_step``)."""
+        self.use_prompt_of(block_index)
         start_frame, cache_bias = self.context.prepare(self, block_index)
         shape = self.block_shape()
         timesteps, sigmas = self.schedule.timesteps, self.schedule.sigmas
@@ -146,6 +155,25 @@ class CausalGenerator:
             if k + 1 < len(timesteps):
                 x = renoise(x0, draws.pop(0), sigmas[k + 1])
         return BlockSample(latents=x0, states=states, first_step=first_step)
+
+    def use_prompt_of(self, block_index: int) -> None:
+        """Switch to the text of the segment holding ``block_index`` (a prompt schedule's switch): encode its text K/V
+        (the old one is freed first: one prompt's K/V is resident at a time, 0.4 GB for the 14B in bf16) and have the
+        context rebuilt under it before the block (:meth:`ContextScheme.invalidate`): the cache then holds what a
+        model that had always seen this prompt would hold for the committed frames (see :mod:`sdvg_engine.prompt_schedule`)."""
+        segment = max(i for i, (first, _) in enumerate(self._text_segments) if first <= block_index)
+        if segment == self._segment:
+            return
+        if self.before_call is not None:
+            self.before_call(self.name, "text")
+        embeds = self._text_segments[segment][1]
+        self.text_kv = None
+        with self.timer.measure("text", self.model.device):
+            self.text_kv = self.model.encode_text(embeds)
+        self.calls["text"] += 1
+        self._text_source, self._text_key = embeds.detach().clone(), (self.model.device, self.model.compute_dtype)
+        self._segment = segment
+        self.context.invalidate()
 
     def _upload(self, draws: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move a block's CPU noise draws to the model's device in one copy. On CUDA the copy is pinned and

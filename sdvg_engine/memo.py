@@ -100,6 +100,9 @@ class RecordedBlock:
 class Recording:
     key: tuple
     blocks: list[RecordedBlock] = field(default_factory=list)
+    #: per block, the digest of the prompt-schedule segment it was made under (:meth:`PromptSchedule.block_digests`):
+    #: the key holds the first prompt; a run whose later prompts differ reuses the blocks before the first difference
+    prompts: tuple = ()
     #: device tensor -> its host copy, while the run records (see :func:`_cpu`); emptied when the run ends
     host_copies: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -109,7 +112,8 @@ class Recording:
 
     def decisions(self) -> list[tuple]:
         """Per block: where it came from and, for a scored draft, its block score (what a replay plan reads)."""
-        return [(b.source, b.drafted, None if b.decision is None else b.decision.block_score) for b in self.blocks]
+        return [(b.source, b.drafted, None if b.decision is None else b.decision.block_score,
+                 self.prompts[b.index] if b.index < len(self.prompts) else None) for b in self.blocks]
 
 
 def _unique_nbytes(blocks) -> int:
@@ -234,13 +238,22 @@ class ReplayPlan:
     decisions: list[RouteDecision | None]
 
 
-def plan_replay(recordings: list[Recording], router, options, tau_state: TauState | None) -> ReplayPlan | None:
-    """The recording that lets this run reuse the most blocks (``None`` if none reuses any)."""
+def plan_replay(recordings: list[Recording], router, options, tau_state: TauState | None, *, prompts: tuple = (),
+                resets: set = frozenset()) -> ReplayPlan | None:
+    """The recording that lets this run reuse the most blocks (``None`` if none reuses any).
+
+    ``prompts``: this run's per-block segment digests (a recording is reused up to the first block made under another
+    prompt); ``resets``: the blocks where the routing state restarts (a prompt switch under ``switch_routing="reset"``),
+    where accept_rate's pool restarts as in the run."""
     best = None
     for rec in recordings:
         state = tau_state.copy() if tau_state is not None else None
         decisions = []
         for block in rec.blocks:
+            if prompts and rec.prompts and rec.prompts[block.index] != prompts[block.index]:
+                break
+            if block.index in resets and state is not None:
+                state = router.new_tau_state()
             decision = block.decision
             if block.drafted and options.scores_drafts:
                 tau = router.block_tau(state)

@@ -84,18 +84,19 @@ class SpeculativePipeline:
                 gen.context.anchor_encoder = vae
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def stream(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
+    def stream(self, prompt_embeds: torch.Tensor | None = None, *, prompt: str = "", num_frames: int = 81, width: int = 832,
                height: int = 480, seed: int = 42, options: SDVGOptions | None = None,
                noise: NoiseSource | None = None, cancel: CancelToken | None = None,
                before_call: Callable[[str, str], None] | None = None, tau_state: TauState | None = None,
-               workers: int | str | None = None) -> Iterator[BlockRecord]:
+               workers: int | str | None = None, prompt_schedule=None) -> Iterator[BlockRecord]:
         """Yield one :class:`BlockRecord` per block, in block order, as soon as it is final. See :meth:`generate`."""
         run = start_run(self, prompt_embeds, prompt, num_frames, width, height, seed, options, noise, cancel,
-                        before_call, tau_state, self.workers if workers is None else workers)
+                        before_call, tau_state, self.workers if workers is None else workers, prompt_schedule)
         with run.workers:
             yield from self._replay(run)  # the blocks an earlier run made with the same inputs and decisions
             previous = None
             for b in range(run.first_block, run.num_blocks):
+                run.enter_block(b, self.router)  # a prompt switch may restart the routing state
                 if run.target_makes(b):
                     block = self._target_block(run, b, drafted=False, decision=run.decided_before_drafting(b))
                 else:
@@ -122,17 +123,21 @@ class SpeculativePipeline:
                 yield self._finish_block(run, previous)
             run.workers.finish()
 
-    def generate(self, prompt_embeds: torch.Tensor, *, prompt: str = "", num_frames: int = 81, width: int = 832,
+    def generate(self, prompt_embeds: torch.Tensor | None = None, *, prompt: str = "", num_frames: int = 81, width: int = 832,
                  height: int = 480, seed: int = 42, options: SDVGOptions | None = None,
                  noise: NoiseSource | None = None, cancel: CancelToken | None = None,
                  before_call: Callable[[str, str], None] | None = None,
                  on_block: Callable[[BlockRecord], None] | None = None, tau_state: TauState | None = None,
-                 workers: int | str | None = None) -> SDVGResult:
+                 workers: int | str | None = None, prompt_schedule=None) -> SDVGResult:
         """Generate one video.
 
         Args:
             prompt_embeds: UMT5-XXL context ``[1, L, 4096]`` (zero padded; padded to 512 if shorter).
             prompt: the prompt text, for the reward model (and the key of ``random`` mode's decisions).
+            prompt_schedule: instead of ``prompt_embeds`` and ``prompt``, the prompt of each part of the video:
+                ``[(first_block, prompt_embeds, reward_prompt), ...]``, the first at block 0 (see
+                :mod:`sdvg_engine.prompt_schedule`; ``options.target_after_switch`` and ``options.switch_routing``
+                say who makes the block after a switch and what the router compares there).
             num_frames: video frames, ``12n - 3`` (81 = 7 blocks of 3 latent frames).
             width, height: pixels, multiples of 16.
             seed: noise seed in ``0 .. 2**64 - 1``; block ``b`` uses noise keyed by ``(seed, b, step)``.
@@ -152,7 +157,7 @@ class SpeculativePipeline:
         started = time.perf_counter()
         for record in self.stream(prompt_embeds, prompt=prompt, num_frames=num_frames, width=width, height=height,
                                   seed=seed, options=options, noise=noise, cancel=cancel, before_call=before_call,
-                                  tau_state=tau_state, workers=workers):
+                                  tau_state=tau_state, workers=workers, prompt_schedule=prompt_schedule):
             if on_block is not None:
                 on_block(record)
         return self._finish(time.perf_counter() - started)
@@ -227,29 +232,30 @@ class SpeculativePipeline:
         # What the score reads is handed over now (the seam features and the committed blocks' scores so far), never
         # read from the run later on the reward's worker.
         return run.workers.result(run.submit("reward", self._score_draft, run, decoded, run.tau_state,
-                                             run.previous_features, tuple(run.committed_scores)))
+                                             run.previous_features, tuple(run.committed_scores), run.features_of(b)))
 
-    def _score_draft(self, run: Run, decoded: "_Decoded", tau_state, previous, committed):
+    def _score_draft(self, run: Run, decoded: "_Decoded", tau_state, previous, committed, prompt):
         frames = unit_frames(decoded.pixels)
         tau = self.router.block_tau(tau_state)
         reference = self.router.reference_of([wait(s) for s in committed]) if self.router.uses_reference else None
-        decision, features = self._timed(run, "reward", lambda: self._score(run, frames, tau, previous, reference))
+        decision, features = self._timed(run, "reward", lambda: self._score(run, frames, tau, previous, reference, prompt))
         tau_state.observe(decision.block_score)
         return decision, features
 
-    def _score(self, run: Run, frames: torch.Tensor, tau: float, previous, reference):
+    def _score(self, run: Run, frames: torch.Tensor, tau: float, previous, reference, prompt):
+        """Score a draft's ``frames`` against ``prompt`` (the reward's features of its segment's prompt) and decide."""
         router, opts = self.router, run.options
         if not cascades(opts, frames.shape[0]):
             # Only the reference modes take a reference, so routers written against the older judge() keep working.
             relative = {"reference": reference} if getattr(router, "uses_reference", False) else {}
-            decision, scores = router.judge(frames, run.prompt_features, previous_features=previous, tau=tau, **relative)
+            decision, scores = router.judge(frames, prompt, previous_features=previous, tau=tau, **relative)
             return decision, scores.image_features[-1]
         first = torch.tensor(first_frames(frames.shape[0], opts.cascade_frames))
-        partial = router.score_frames(frames[first], run.prompt_features).scores
+        partial = router.score_frames(frames[first], prompt).scores
         if settled_by_first_frames(float(partial.min()), tau, opts.cascade_margin):
             return router.decide(partial, tau=tau), None
         rest = torch.tensor([i for i in range(frames.shape[0]) if i not in set(first.tolist())])
-        remaining = router.score_frames(frames[rest], run.prompt_features).scores
+        remaining = router.score_frames(frames[rest], prompt).scores
         # Frame scores in time order (the minimum does not care; readers of the report do).
         order = torch.cat([first, rest]).argsort()
         return router.decide(torch.cat([partial, remaining])[order], tau=tau), None
@@ -270,7 +276,7 @@ class SpeculativePipeline:
             # The next draft's seam term needs this block's last frame (scored only in sdvg mode). Also with the
             # temporal weight at 0: the reported temporal score must span the seam to the frame right before the draft
             # (one frame through the reward's image tower; without it the report used no seam or a stale one).
-            seam = run.submit("reward", self._seam_features, run, decoded)
+            seam = run.submit("reward", self._seam_features, run, decoded, run.features_of(b))
         else:
             seam = None
         run.advance(seam, committed)
@@ -284,14 +290,15 @@ class SpeculativePipeline:
         (:meth:`RewardRouter.needs_committed_score`; a Future of it); ``None`` otherwise."""
         if source == "draft":
             return decision.block_score
-        if b + 1 < run.num_blocks and self.router.needs_committed_score(b):
-            return run.submit("reward", self._score_committed, run, decoded, run.previous_features)
+        if b + 1 < run.num_blocks and self.router.needs_committed_score(run.routing_index(b)):
+            return run.submit("reward", self._score_committed, run, decoded, run.previous_features, run.features_of(b))
         return None
 
-    def _score_committed(self, run: Run, decoded: "_Decoded", previous_features) -> float:
-        """The block score of a committed target block (what relative routing compares the next draft with)."""
+    def _score_committed(self, run: Run, decoded: "_Decoded", previous_features, prompt) -> float:
+        """The block score of a committed target block (what relative routing compares the next draft with), against
+        ``prompt`` (its segment's reward prompt features)."""
         frames = unit_frames(decoded.pixels)
-        scores = self._timed(run, "reward", lambda: self.router.score_frames(frames, run.prompt_features))
+        scores = self._timed(run, "reward", lambda: self.router.score_frames(frames, prompt))
         return self.router.block_score(scores.scores, temporal_consistency(scores.image_features, wait(previous_features)))
 
     @staticmethod
@@ -299,9 +306,11 @@ class SpeculativePipeline:
         gen.commit_block(b, sample.latents, None if decoded is None else decoded.pixels)
         return gen.context.snapshot()  # the state a replay restores to resume after this block
 
-    def _seam_features(self, run: Run, decoded: "_Decoded"):
+    def _seam_features(self, run: Run, decoded: "_Decoded", prompt):
+        """The image features of a committed block's last frame (what the next draft's seam term compares with; they
+        do not depend on ``prompt``, the reward's one forward takes one)."""
         last = unit_frames(decoded.pixels[:, :, -1:])
-        return self._timed(run, "reward", lambda: self.router.score_frames(last, run.prompt_features).image_features[-1])
+        return self._timed(run, "reward", lambda: self.router.score_frames(last, prompt).image_features[-1])
 
     # ---- a final block ------------------------------------------------------------------------------
     def _finish_block(self, run: Run, block: "_Block") -> BlockRecord:
@@ -348,6 +357,8 @@ class SpeculativePipeline:
                                       _video_frames(pixels), replayed=True, decode=lap)
             # The re-decode is this block's own cost, not the next fresh block's (nor part of what a replay saves).
             record.seconds = run.take_block_seconds()
+            if run.tau_state is not None and run.resets_routing_at(block.index):
+                run.tau_state = self.router.new_tau_state()  # as the run that made it did at this prompt switch
             if run.tau_state is not None and block.drafted and decision is not None:
                 run.tau_state.observe(decision.block_score)  # the caller's state, if carried, sees the replayed drafts too
             run.replayed_seconds += max(0.0, block.seconds - lap.seconds)

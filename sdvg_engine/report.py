@@ -244,7 +244,7 @@ def run_settings(pipe, run) -> dict:
     """The report's ``settings``: the options, the inputs, the models' schedules and contexts, the workers, the router."""
     settings = {
         **asdict(run.options), "seed": run.seed, "num_frames": run.num_frames, "width": run.width, "height": run.height,
-        "prompt": run.prompt, "preset": pipe.preset,
+        "prompt": run.prompt, "preset": pipe.preset, "prompt_schedule": schedule_settings(run),
         "drafter_schedule": pipe.drafter.schedule.name, "target_schedule": pipe.target.schedule.name,
         "drafter_context": pipe.drafter.context.name, "target_context": pipe.target.context.name,
         "settings_source": {g.name: dict(g.settings_source) for g in (pipe.drafter, pipe.target)},
@@ -256,6 +256,16 @@ def run_settings(pipe, run) -> dict:
         router_settings["tau"] = tau if not isinstance(tau, float) or math.isfinite(tau) else str(tau)
         settings.update(router_settings)
     return settings
+
+
+def schedule_settings(run) -> list[dict]:
+    """The report's ``prompt_schedule``: per segment its first block and video frame and its reward prompt (one entry
+    for a one-prompt run). The score plot marks the switches from it."""
+    from .prompt_schedule import block_start_frame
+
+    segments = run.schedule.segments if run.schedule is not None else ()
+    return [{"first_block": seg.first_block, "first_frame": block_start_frame(seg.first_block, run.frames_per_block),
+             "prompt": seg.prompt} for seg in segments]
 
 
 def target_only_seconds(target, num_blocks: int) -> float | None:

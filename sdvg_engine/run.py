@@ -17,6 +17,7 @@ Worker threads never assign a field of a :class:`Run`: what a task needs is hand
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -26,6 +27,7 @@ import torch
 from .checks import check_int
 from .memo import RecordedBlock, Recording, ReplayPlan, plan_replay
 from .options import CancelToken, GenerationCancelled, SDVGOptions
+from .prompt_schedule import PromptSchedule
 from .replay_key import replay_key
 from .report import BlockRecord, ComponentTimer, Lap
 from .router import RandomRouter, RouteDecision, TauState
@@ -68,6 +70,10 @@ class Run:
     tau_state: TauState | None = None
     #: random mode's draws (decided before drafting)
     random_router: RandomRouter | None = None
+    #: the prompt of every block (one segment without a prompt schedule; :mod:`sdvg_engine.prompt_schedule`)
+    schedule: PromptSchedule | None = None
+    #: the reward's prompt features per segment of the schedule, when the mode scores drafts
+    segment_features: list = field(default_factory=list)
 
     # ---- the loop's routing state: written on the main thread by advance(), in block order ---------------------------
     #: the reward's ViT features of the last committed frame (a tensor, a Future of one, or None): the next draft's
@@ -123,15 +129,43 @@ class Run:
 
     def decided_before_drafting(self, b: int) -> RouteDecision | None:
         """The decision of a block made before any draft: random mode's draw (``None`` in the other modes and for a
-        block 0 the target makes anyway)."""
-        if self.random_router is None or (b == 0 and self.options.target_first_block):
+        block the target makes anyway: block 0, the first block after a prompt switch)."""
+        if self.random_router is None or self.options.target_makes_block(b, True, self.starts_segment(b)):
             return None
         return self.random_router.decide_block(b)
 
     def target_makes(self, b: int) -> bool:
         """Whether the target makes block ``b`` without a draft (:meth:`SDVGOptions.target_makes_block`)."""
         draw = self.decided_before_drafting(b)
-        return self.options.target_makes_block(b, None if draw is None else draw.accept)
+        return self.options.target_makes_block(b, None if draw is None else draw.accept, self.starts_segment(b))
+
+    # ---- the prompt schedule ---------------------------------------------------------------------------------------
+    def starts_segment(self, b: int) -> bool:
+        """Whether the prompt switches at block ``b``."""
+        return self.schedule is not None and self.schedule.starts_segment(b)
+
+    def features_of(self, b: int):
+        """The reward's prompt features block ``b`` is scored against (its segment's)."""
+        return self.segment_features[self.schedule.segment_index(b)] if self.segment_features else None
+
+    def resets_routing_at(self, b: int) -> bool:
+        """Whether the routing state restarts at block ``b`` (a switch with ``switch_routing="reset"``)."""
+        return self.options.switch_routing == "reset" and self.starts_segment(b)
+
+    def routing_index(self, b: int) -> int:
+        """Block ``b``'s index as the router's references count blocks: from its segment's start under ``reset``
+        (an anchor is then the segment's first block), from block 0 otherwise."""
+        if self.options.switch_routing != "reset" or self.schedule is None:
+            return b
+        return b - self.schedule.segment_of(b).first_block
+
+    def enter_block(self, b: int, router) -> None:
+        """Before block ``b`` is made: at a switch under ``switch_routing="reset"`` the router's state restarts as at
+        the start of a video (the committed scores its references read, accept_rate's pool)."""
+        if self.resets_routing_at(b):
+            self.committed_scores = []
+            if self.tau_state is not None:
+                self.tau_state = router.new_tau_state()
 
     # ---- the recording (main thread, block order) ---------------------------------------------------------------
     def record(self, block: RecordedBlock, max_bytes: int) -> None:
@@ -229,9 +263,10 @@ def check_parts(drafter, target, vae, router) -> None:
 
 
 def check_run_inputs(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, width, height, seed, options,
-                     noise) -> SDVGOptions:
+                     noise, scheduled: bool = False) -> SDVGOptions:
     """Refuse bad arguments of :meth:`SpeculativePipeline.stream` / ``generate`` with a ValueError naming the argument,
-    its value and the fix, before any model runs. Returns the options to use."""
+    its value and the fix, before any model runs. Returns the options to use. ``scheduled``: a prompt schedule holds
+    the prompts (checked by :func:`plan_schedule`)."""
     if options is None:
         options = SDVGOptions()
     elif not isinstance(options, SDVGOptions):
@@ -245,6 +280,8 @@ def check_run_inputs(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frame
                          f"{max(16, width - width % 16)}x{max(16, height - height % 16)}")
     check_int("seed", seed, low=SEED_RANGE[0], high=SEED_RANGE[1],
               fix=f"pass a whole number in {SEED_RANGE[0]}..{SEED_RANGE[1]} (2**64 - 1), e.g. seed=42")
+    if scheduled:
+        return options
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string (the text the embeddings were made from; '' when no reward "
                          f"scores drafts), got {type(prompt).__name__} {prompt!r}")
@@ -283,17 +320,40 @@ def check_run_hooks(*, noise=None, cancel=None, before_call=None, on_block=None,
         raise ValueError(f"tau_state must be a TauState (router.new_tau_state()), got {type(tau_state).__name__}")
 
 
+def plan_schedule(pipe: SpeculativePipeline, prompt_embeds, prompt, prompt_schedule, opts: SDVGOptions,
+                  num_blocks: int) -> PromptSchedule:
+    """The run's :class:`PromptSchedule`: ``prompt_schedule`` checked, or one segment of ``prompt_embeds`` and
+    ``prompt`` (checked by :func:`check_run_inputs`); every segment's text padded to ``TEXT_LEN`` rows."""
+    if prompt_schedule is None:
+        schedule = PromptSchedule.single(prompt_embeds, prompt)
+    else:
+        if prompt_embeds is not None or prompt:
+            raise ValueError("pass either prompt_embeds and prompt (one prompt) or prompt_schedule (its entries hold "
+                             "each segment's embeddings and reward prompt), not both")
+        schedule = PromptSchedule.of(prompt_schedule)
+        schedule.check(num_blocks, pipe.target.model.config.text_dim, needs_prompt=opts.scores_drafts, mode=opts.mode)
+        router = pipe.router
+        if (len(schedule) > 1 and opts.scores_drafts and router.uses_reference and opts.switch_routing == "reset"
+                and not opts.target_after_switch):
+            raise ValueError(f"tau_mode {router.tau_mode!r} with switch_routing='reset' compares each draft with the "
+                             "blocks committed since the last prompt switch, and the first block after a switch has "
+                             "none: keep target_after_switch on, use switch_routing='carry' or tau_mode 'fixed'")
+    return PromptSchedule([dataclasses.replace(seg, embeds=pad_text(seg.embeds)) for seg in schedule])
+
+
 def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, width, height, seed, options, noise, cancel,
-              before_call, tau_state, workers) -> Run:
+              before_call, tau_state, workers, prompt_schedule=None) -> Run:
     """Check the inputs, plan the workers and the replay, and start the models on a new video: the :class:`Run`."""
     previous = getattr(pipe, "_run", None)
     if previous is not None:  # a stream left unfinished must not keep working on the models this run resets
         previous.workers.abandon()
-    opts = check_run_inputs(pipe, prompt_embeds, prompt, num_frames, width, height, seed, options, noise)
+    opts = check_run_inputs(pipe, prompt_embeds, prompt, num_frames, width, height, seed, options, noise,
+                            scheduled=prompt_schedule is not None)
     check_run_hooks(noise=noise, cancel=cancel, before_call=before_call, tau_state=tau_state)
     fpb = pipe.target.frames_per_block
     num_blocks = video_frames_to_latent_frames(num_frames, fpb) // fpb
-    prompt_embeds = pad_text(prompt_embeds)
+    schedule = plan_schedule(pipe, prompt_embeds, prompt, prompt_schedule, opts, num_blocks)
+    prompt_embeds, prompt = schedule.first.embeds, schedule.first.prompt
     if opts.refine_from_step is not None:
         steps = pipe.drafter.schedule.num_steps
         if not 1 <= opts.refine_from_step < steps:
@@ -305,7 +365,7 @@ def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, widt
         memo_key = replay_key(pipe, prompt_embeds, prompt, num_frames, width, height, seed, opts, devices)
     run = Run(options=opts, num_blocks=num_blocks, noise=noise or SeededNoise(seed), prompt=prompt, seed=seed,
               width=width, height=height, num_frames=num_frames, frames_per_block=fpb, cancel=cancel,
-              before_call=before_call, workers=Workers(plan_lanes(opts, devices, workers)))
+              before_call=before_call, workers=Workers(plan_lanes(opts, devices, workers)), schedule=schedule)
     run.timer.handover_sync = not run.workers.parallel
     run.active = [g for g, used in ((pipe.drafter, opts.uses_drafter), (pipe.target, opts.uses_target)) if used]
     try:
@@ -313,17 +373,23 @@ def start_run(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frames, widt
             gen.before_call = run.check_cancel
             gen.calls.clear()  # a model this mode does not use must not report a previous run's calls
             gen.timer.clear()
+        switches = tuple((seg.first_block, seg.embeds) for seg in schedule.segments[1:])
         for gen in run.active:
-            gen.start(prompt_embeds, latent_height=height // 8, latent_width=width // 8, num_blocks=num_blocks)
+            gen.start(prompt_embeds, latent_height=height // 8, latent_width=width // 8, num_blocks=num_blocks,
+                      switches=switches)
         pipe.vae.reset()
         if opts.scores_drafts:
-            run.prompt_features = pipe.router.scorer.encode_prompt(prompt)
+            run.segment_features = [pipe.router.scorer.encode_prompt(seg.prompt) for seg in schedule]
+            run.prompt_features = run.segment_features[0]
             run.tau_state = tau_state if tau_state is not None else pipe.router.new_tau_state()
         if opts.draws_before_drafting:
             run.random_router = RandomRouter(opts.random_accept_prob, seed, key=prompt)
         if memo_key is not None:
-            run.recording = Recording(memo_key)
-            run.replay_plan = plan_replay(pipe.memo.lookup(memo_key), pipe.router, opts, run.tau_state)
+            digests = schedule.block_digests(num_blocks)
+            run.recording = Recording(memo_key, prompts=digests)
+            resets = {b for b in range(num_blocks) if run.resets_routing_at(b)}
+            run.replay_plan = plan_replay(pipe.memo.lookup(memo_key), pipe.router, opts, run.tau_state,
+                                          prompts=digests, resets=resets)
             run.first_block = run.replay_plan.reuse if run.replay_plan is not None else 0
     except BaseException:
         run.workers.__exit__(*sys.exc_info())

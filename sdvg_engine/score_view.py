@@ -5,7 +5,8 @@ What is compared depends on the tau mode (``RouteDecision.comparison``): the dra
 random draw ``u`` in ``random`` mode. Plotting the raw score against ``tau`` in the margin modes draws kept drafts
 below the line and rejected ones above it; this module plots the compared quantity instead, draws each block's own
 threshold (it moves per block in ``accept_rate`` mode), names the quantity on the y axis and shades the free-tau band
-(the threshold values that change no decision) wherever the report defines it.
+(the threshold values that change no decision) wherever the report defines it. A run with a prompt schedule has a
+vertical line at each prompt switch (``settings.prompt_schedule``), labelled with the new prompt's first frame.
 
 Reads only the report dict (``report.json``); no ComfyUI, no torch. :func:`draw_score_plot` returns an
 ``[height, width, 3]`` uint8 array (numpy).
@@ -22,6 +23,7 @@ REJECTED = (210, 40, 40)
 NOT_SCORED = (150, 150, 150)
 THRESHOLD = (40, 90, 220)
 BAND = (222, 236, 255)
+SWITCH = (150, 70, 200)
 WIDTH, HEIGHT = 640, 360
 #: the plot box inside the image (left, right, top, bottom)
 BOX = (72, WIDTH - 16, 28, HEIGHT - 36)
@@ -56,6 +58,8 @@ class ScoreView:
     #: the free-tau band in the plotted quantity's units, (above, up_to); None ends are unbounded
     band: tuple[float | None, float | None] | None
     keep_if: str = ">="
+    #: the prompt switches: ``(first block, first video frame)`` of every prompt after the opening one
+    switches: tuple[tuple[int, int], ...] = ()
 
 
 def _number(x) -> float | None:
@@ -115,7 +119,21 @@ def score_view(report: dict) -> ScoreView:
     if isinstance(free, dict) and mode not in ("accept_rate", "random"):
         # The band is in tau's units, which are the plotted quantity's in fixed and the margin modes.
         band = (_finite(free.get("above")), _finite(free.get("up_to")))
-    return ScoreView(mode=mode, quantity=quantity, points=tuple(points), band=band, keep_if=keep_if)
+    return ScoreView(mode=mode, quantity=quantity, points=tuple(points), band=band, keep_if=keep_if,
+                     switches=switches_of(settings))
+
+
+def switches_of(settings: dict) -> tuple[tuple[int, int], ...]:
+    """``(first block, first frame)`` of each prompt after the opening one, from a report's ``settings``."""
+    schedule = settings.get("prompt_schedule")
+    if not isinstance(schedule, list):
+        return ()
+    out = []
+    for entry in schedule[1:]:
+        block, frame = (entry.get("first_block"), entry.get("first_frame")) if isinstance(entry, dict) else (None, None)
+        if isinstance(block, int) and not isinstance(block, bool) and block > 0:
+            out.append((block, frame if isinstance(frame, int) and not isinstance(frame, bool) else block))
+    return tuple(out)
 
 
 def draw_score_plot(report: dict, width: int = WIDTH, height: int = HEIGHT):
@@ -123,7 +141,8 @@ def draw_score_plot(report: dict, width: int = WIDTH, height: int = HEIGHT):
 
     Green dot: kept draft; red cross: rejected (the target regenerated it); grey square on the axis: not scored
     (not drafted, or kept without scoring). The blue segment over each block is that block's threshold; the shaded
-    band the free-tau interval."""
+    band the free-tau interval; a purple vertical line: a prompt switch (the block right of it is the new prompt's
+    first), labelled with the prompt's number and first video frame."""
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
@@ -180,6 +199,10 @@ def draw_score_plot(report: dict, width: int = WIDTH, height: int = HEIGHT):
         text = f"{name} per block" if moving else f"{name} = {thresholds[0]:.2f}"
         # in the header, right-aligned: over the plot it would cover a marker's value
         draw.text((right - 8 - draw.textlength(text, font=font), top - 12), text, fill=THRESHOLD, font=font)
+    for k, (block, frame) in enumerate(view.switches):  # prompt switches: between the old prompt's last block and this
+        x = round(left + block * column)
+        draw.line([x, top + 1, x, bottom - 1], fill=SWITCH, width=2)
+        draw.text((x + 4, top + 14), f"prompt {k + 2} @ frame {frame}", fill=SWITCH, font=font)
     for p in view.points:
         x = x_of(p.index)
         draw.text((x - 3, bottom + 4), str(p.index), fill=(0, 0, 0), font=font)
@@ -203,4 +226,4 @@ def draw_score_plot(report: dict, width: int = WIDTH, height: int = HEIGHT):
     return np.asarray(img, dtype=np.uint8).copy()
 
 
-__all__ = ["BlockPoint", "ScoreView", "QUANTITY", "compared", "draw_score_plot", "score_view"]
+__all__ = ["BlockPoint", "ScoreView", "QUANTITY", "SWITCH", "compared", "draw_score_plot", "score_view", "switches_of"]

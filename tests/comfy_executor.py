@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from nodes import logic, schema
-from node_fixtures import FakeComfyVAE
+from node_fixtures import FakeComfyVAE, StandInCLIP
 from workflow_checks import check_api_workflow
 
 
@@ -145,8 +145,9 @@ def core_nodes(vae_factory: Callable[[str], Any], encode_text: Callable[[str], t
 
     return {
         "VAELoader": lambda vae_name: (vae_factory(vae_name),),
-        "CLIPLoader": lambda clip_name, type, device="default": ({"clip": clip_name, "type": type},),
-        "CLIPTextEncode": lambda text, clip: ([[encode_text(text), {"pooled_output": None}]],),
+        # a CLIP object with the two calls CLIPTextEncode makes (SDVG Prompt Schedule makes them too)
+        "CLIPLoader": lambda clip_name, type, device="default": (StandInCLIP(encode_text),),
+        "CLIPTextEncode": lambda text, clip: (clip.encode_from_tokens_scheduled(clip.tokenize(text)),),
         "PrimitiveStringMultiline": lambda value: (value,),
         "CreateVideo": lambda images, fps, audio=None: (_check_image(images) or {"images": images, "fps": fps},),
         "SaveVideo": lambda video, filename_prefix, format="auto", codec="auto": save(video["images"]),

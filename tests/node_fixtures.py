@@ -121,3 +121,27 @@ class FakeComfyVAE:
         self.device = torch.device("cpu")
         self.vae_dtype = torch.float32
         self.patcher = type("Patcher", (), {"offload_device": torch.device("cpu")})()
+
+
+class StandInCLIP:
+    """What SDVG Prompt Schedule (and CLIPTextEncode) call on ComfyUI's CLIP: ``tokenize(text)`` then
+    ``encode_from_tokens_scheduled(tokens)`` -> CONDITIONING ``[[context, {"pooled_output": ...}]]``. ``encode_text``
+    maps a text to its UMT5-like context (the real encoder is 11 GB); ``encoded`` lists the texts encoded."""
+
+    def __init__(self, encode_text):
+        self.encode_text = encode_text
+        self.encoded: list[str] = []
+
+    def tokenize(self, text):
+        return {"text": text}
+
+    def encode_from_tokens_scheduled(self, tokens):
+        self.encoded.append(tokens["text"])
+        return [[self.encode_text(tokens["text"]), {"pooled_output": None}]]
+
+
+def prompt_context(text: str) -> torch.Tensor:
+    """A deterministic UMT5-like context [1, 512, 4096] per text (``text_context`` seeded by the text's bytes)."""
+    import zlib
+
+    return text_context(seed=zlib.crc32(text.encode()) % (2**31))

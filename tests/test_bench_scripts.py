@@ -24,9 +24,13 @@ def test_gpu_check_tiny_writes_its_json_and_table(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["tests"]["ok"] and report["tests"]["counts"].get("skipped", 0) >= 3
     assert report["tests"]["counts"].get("passed", 0) == 0  # nothing but the CUDA-only tests was selected
-    assert [row["config"] for row in report["bench"]] == ["resident bf16", "fp8 target",
+    assert [row["config"] for row in report["bench"]] == ["resident bf16 (+ one video with a prompt switch)", "fp8 target",
                                                           "fp8 target + offload + fp8 KV (one consumer GPU)",
                                                           "2 lanes on one GPU"]
-    assert all(row["returncode"] == 0 and len(row["result"]["runs"]) == 6 for row in report["bench"])
+    assert all(row["returncode"] == 0 for row in report["bench"])
+    assert [len(row["result"]["runs"]) for row in report["bench"]] == [7, 6, 6, 6]
+    switched = report["bench"][0]["result"]["runs"][-1]["report"]
+    assert [s["first_block"] for s in switched["settings"]["prompt_schedule"]] == [0, 1]
+    assert switched["model_calls"]["drafter"]["text"] == 1  # the switch re-encoded the drafter's text
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| 2 lanes on one GPU | SDVG 2/2 accepted (100.0%) |" in table

@@ -486,7 +486,8 @@ def test_interrupt_stops_the_sampler(server):
 
 
 @pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_16gb", "sdvg_text_to_video_48gb",
-                                  "sdvg_compare_vs_target", "sdvg_native_model", "sdvg_native_gguf"])
+                                  "sdvg_compare_vs_target", "sdvg_native_model", "sdvg_native_gguf",
+                                  "sdvg_prompt_schedule"])
 def test_text_encoder_workflows_validate(server, name):
     """Accepted by the server's validation (``queue`` asserts no node errors). The text encoder file is a dummy:
     ComfyUI 0.3.64 then builds a default 768-wide CLIP from it, and the sampler must reject that conditioning
@@ -597,6 +598,35 @@ def decoded_frames(path: Path) -> list[bytes]:
 
 
 # ------------------------------------------------------------------------------- the ComfyUI-native path (MODEL)
+def test_prompt_switch_nodes_steer_the_video(server):
+    """Two SDVG Prompt Switch nodes (the second prompt of the embeddings file at frame 21, chained after one at frame 9)
+    through an SDVG Prompt Schedule that sets the switch settings, into the sampler's appended prompt_schedule input:
+    the report lists three prompts and the switch blocks are the target's. A start frame between block starts is
+    refused at queue time by the node's validate_inputs, with the nearest starts."""
+    prompt = api_workflow("sdvg_prompt_embeddings", seed=13, replay=False)
+    sampler = node_id(prompt, "SDVGSpeculativeSampler")
+    prompt["910"] = {"class_type": "SDVGLoadPromptEmbeddings", "inputs": {"embeddings_file": "prompts.safetensors",
+                                                                         "index": 1}}
+    prompt["911"] = {"class_type": "SDVGPromptSwitch", "inputs": {"conditioning": ["910", 0], "start_frame": 21,
+                                                                   "reward_prompt": ["910", 1]}}
+    prompt["912"] = {"class_type": "SDVGPromptSwitch", "inputs": {"conditioning": ["910", 0], "start_frame": 9,
+                                                                   "reward_prompt": ["910", 1], "schedule": ["911", 0]}}
+    prompt["913"] = {"class_type": "SDVGPromptSchedule", "inputs": {"text": "", "target_after_switch": True,
+                                                                     "switch_routing": "carry", "schedule": ["912", 0]}}
+    prompt[sampler]["inputs"]["prompt_schedule"] = ["913", 0]
+    entry = server.wait(server.queue(prompt))
+    report = _check_outputs(server, prompt, entry, "sdvg")
+    assert [(s["first_block"], s["first_frame"]) for s in report["settings"]["prompt_schedule"]] == [(0, 0), (1, 9),
+                                                                                                       (2, 21)]
+    assert report["settings"]["prompt_schedule"][1]["prompt"].startswith("a paper boat")
+    assert report["decisions"] == ["target"] * 3 and report["settings"]["switch_routing"] == "carry"
+    assert "switches at frames 9, 21" in entry["outputs"][sampler]["text"][0]
+    prompt["911"]["inputs"]["start_frame"] = 30
+    status, reply = server.post("/prompt", {"prompt": prompt, "client_id": server.client_id})
+    assert status == 400 and "frame 30 is not the start of a block" in json.dumps(reply) and "use 21 or 33" in \
+        json.dumps(reply)
+
+
 def require_gguf() -> None:
     """Skip (or fail, under make e2e) a test that needs ComfyUI-GGUF's Unet Loader (GGUF) where it is missing."""
     if not HAS_GGUF:

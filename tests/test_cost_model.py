@@ -44,6 +44,22 @@ def test_real_size_meta_count_equals_closed_form_for_both_models():
     assert cm.dit_call_cost(cm.DRAFTER, 6).bytes > cm.dit_call_cost(cm.DRAFTER, 3).bytes
 
 
+def test_a_prompt_switch_prices_the_text_encode_and_the_global_cache_re_cache():
+    """Text K/V of one prompt: the text MLP (4096 -> D -> D) and every layer's K and V projections over 512 rows; the
+    Self-Forcing drafter re-runs the commit passes of the blocks before the switch but the last one."""
+    for name in (cm.TARGET, cm.DRAFTER):
+        cfg = wan_config(name)
+        d, layers = cfg["num_attention_heads"] * cfg["attention_head_dim"], cfg["num_layers"]
+        assert cm.text_encode_cost(name).flops == 2 * 512 * (4096 * d + d * d) + layers * 4 * 512 * d * d
+    gpu = cm.GPUS["H200"]
+    price = cm.switch_seconds(gpu, 3)
+    assert price["target"]["recache_s"] == 0.0 and price["drafter"]["extra_calls"] == 2
+    passes = [cm.roofline_seconds(c.flops, c.bytes, gpu, cm.EFFICIENCY["dit"])
+              for c in (cm.dit_call_cost(cm.DRAFTER, 0), cm.dit_call_cost(cm.DRAFTER, 3))]
+    assert price["drafter"]["recache_s"] == pytest.approx(sum(passes))
+    assert cm.switch_seconds(gpu, 1)["drafter"]["recache_s"] == 0.0
+
+
 def test_byte_counter_counts_inputs_and_outputs_and_fused_attention():
     with torch.device("meta"):
         x, w, b = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(16)

@@ -633,7 +633,8 @@ def test_the_from_model_nodes_are_registered_after_the_others():
     ids = [s.node_id for s in schema.NODES]
     assert ids[:6] == ["SDVGLoadDrafter", "SDVGLoadTarget", "SDVGRewardRouter", "SDVGSpeculativeSampler",
                        "SDVGLoadPromptEmbeddings", "SDVGAdvancedOptions"]
-    assert ids[6:] == ["SDVGDrafterFromModel", "SDVGTargetFromModel"]
+    assert ids[6:8] == ["SDVGDrafterFromModel", "SDVGTargetFromModel"]
+    assert ids[8:] == ["SDVGPromptSchedule", "SDVGPromptSwitch"]  # issue 39, appended after these
     for spec, role in ((schema.DRAFTER_FROM_MODEL, "Drafter"), (schema.TARGET_FROM_MODEL, "Target")):
         assert spec.display_name == f"SDVG {role} from MODEL"
         assert [(i.name, i.type) for i in spec.inputs] == [("model", "MODEL"), ("context_scheme", "COMBO"),

@@ -263,7 +263,8 @@ def test_the_toy_tools_import_in_one_direction():
     ``routing_report`` and the demo on top. No circle: each tool can be read, tested and run without those above."""
     import ast
 
-    order = ["world", "models", "text", "tree_frames", "clips", "baselines", "tree", "routing_report", "demo"]
+    order = ["world", "models", "text", "tree_frames", "clips", "baselines", "tree", "signal_trees", "signals", "verifier",
+             "routing_report", "demo"]
     folder = Path(__file__).resolve().parents[1] / "sdvg_engine" / "toy"
     assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(order)
     for name in order:

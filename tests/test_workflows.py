@@ -33,7 +33,8 @@ def load(path: Path) -> dict:
 def test_the_expected_workflows_ship():
     names = {p.stem for p in UI_FILES}
     assert names == {"sdvg_text_to_video", "sdvg_text_to_video_16gb", "sdvg_text_to_video_48gb",
-                     "sdvg_compare_vs_target", "sdvg_prompt_embeddings", "sdvg_native_model", "sdvg_native_gguf"}
+                     "sdvg_compare_vs_target", "sdvg_prompt_embeddings", "sdvg_native_model", "sdvg_native_gguf",
+                     "sdvg_prompt_schedule"}
     assert names == {p.stem for p in API_FILES}, "every UI workflow needs its API-format copy (and vice versa)"
 
 
@@ -159,6 +160,8 @@ FROZEN_WIDGETS = {
                             "schedule_every", "schedule_veto"],
     "SDVGDrafterFromModel": ["context_scheme", "kv_dtype"],
     "SDVGTargetFromModel": ["context_scheme", "kv_dtype"],
+    "SDVGPromptSchedule": ["text", "target_after_switch", "switch_routing"],
+    "SDVGPromptSwitch": ["start_frame", "reward_prompt"],
 }
 
 
@@ -198,13 +201,15 @@ def test_loop_options_are_optional_trailing_inputs_with_engine_defaults():
     optional_widgets = [i.name for i in inputs if i.optional and i.is_widget]
     assert optional_widgets == ["refine_from_step", "cascade", "random_accept_prob", "preset", "workers", "replay",
                                 "schedule_every", "schedule_veto"]
-    assert [i.name for i in inputs[-9:-1]] == optional_widgets
-    # the Advanced Options socket comes last; that node carries the same inputs with the same defaults and ranges
-    assert inputs[-1].name == "advanced_options" and inputs[-1].optional and inputs[-1].type == schema.SDVG_OPTIONS
+    assert [i.name for i in inputs[-10:-2]] == optional_widgets
+    # then the Advanced Options socket and, appended after it, the prompt schedule's; that node carries the same
+    # inputs with the same defaults and ranges
+    assert [(i.name, i.type, i.optional) for i in inputs[-2:]] == [
+        ("advanced_options", schema.SDVG_OPTIONS, True), ("prompt_schedule", schema.SDVG_PROMPT_SCHEDULE, True)]
     advanced = schema.ADVANCED_OPTIONS.inputs
     strip = lambda i: (i.name, i.type, i.default, i.min, i.max, i.step, i.options)  # noqa: E731
-    assert [strip(i) for i in advanced] == [strip(i) for i in inputs[-9:-1]]
-    assert all(i.advanced for i in inputs[-9:-1]) and all("Advanced Options" in i.tooltip for i in inputs[-9:-1])
+    assert [strip(i) for i in advanced] == [strip(i) for i in inputs[-10:-2]]
+    assert all(i.advanced for i in inputs[-10:-2]) and all("Advanced Options" in i.tooltip for i in inputs[-10:-2])
     from sdvg_engine.presets import DEFAULT_PRESET, PRESETS
 
     assert schema.SAMPLER.input("preset").default == DEFAULT_PRESET and tuple(schema.PRESETS) == PRESETS
@@ -236,7 +241,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_comfyui_is_imported_only_by_the_adapters():
     comfy = {"comfy", "comfy_api", "folder_paths", "nodes", "server", "execution", "comfy_execution", "latent_preview"}
-    adapters = ("logic", "schema", "services", "loaders", "sampler", "compat")  # comfy_model imports it lazily
+    adapters = ("logic", "schema", "services", "loaders", "sampler", "compat", "prompt_schedule")  # comfy_model: lazily
     for path in [*(ROOT / "sdvg_engine").rglob("*.py"), *(ROOT / "nodes" / f"{name}.py" for name in adapters)]:
         assert not (_imports(path) & comfy), f"{path} imports ComfyUI"
     # Registered through comfy_entrypoint: a NODE_CLASS_MAPPINGS would make upstream ComfyUI skip it, so the only one
@@ -270,7 +275,8 @@ def test_core_schemas_are_minimal_and_sdvg_free():
 
 
 @pytest.mark.parametrize("name", ["sdvg_text_to_video", "sdvg_text_to_video_16gb", "sdvg_text_to_video_48gb",
-                                  "sdvg_compare_vs_target", "sdvg_native_model", "sdvg_native_gguf"])
+                                  "sdvg_compare_vs_target", "sdvg_native_model", "sdvg_native_gguf",
+                                  "sdvg_prompt_schedule"])
 def test_the_prompt_is_typed_once(name):
     """One text node feeds both the text encoder and the reward prompt, in the UI and API files alike."""
     ui = json.loads((ROOT / "workflows" / f"{name}.json").read_text())
@@ -284,7 +290,8 @@ def test_the_prompt_is_typed_once(name):
     source = next(n for n in ui["nodes"] if n["id"] == sources["CLIPTextEncode"])
     assert source["type"] == "PrimitiveStringMultiline" and source["widgets_values"][0].strip()
     api = json.loads((ROOT / "tests" / "api_workflows" / f"{name}.json").read_text())
-    text_links = [node["inputs"][key] for node in api.values() for key in ("text", "reward_prompt") if key in node["inputs"]]
+    text_links = [node["inputs"][key] for node in api.values() for key in ("text", "reward_prompt")
+                  if key in node["inputs"] and node["class_type"] in ("CLIPTextEncode", "SDVGSpeculativeSampler")]
     assert text_links == [[str(source["id"]), 0]] * (len(text_links)) and len(text_links) >= 2
 
 
@@ -331,7 +338,7 @@ def test_a_workflow_saved_by_the_previous_release_loads_with_identical_values(pa
 #: widgets show the same values so the node tells the truth when card is switched to manual)
 CARD_OF = {"sdvg_text_to_video": "24 GB", "sdvg_text_to_video_16gb": "16 GB", "sdvg_text_to_video_48gb": "48 GB",
            "sdvg_compare_vs_target": "24 GB", "sdvg_prompt_embeddings": "24 GB", "sdvg_native_model": "24 GB",
-           "sdvg_native_gguf": "24 GB"}
+           "sdvg_native_gguf": "24 GB", "sdvg_prompt_schedule": "24 GB"}
 #: the ComfyUI-native workflows: ComfyUI's loaders, LoRAs, then the SDVG "from MODEL" nodes
 NATIVE = ("sdvg_native_model", "sdvg_native_gguf")
 

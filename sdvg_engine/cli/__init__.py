@@ -2,7 +2,7 @@
 
     sdvg inspect PATH
     sdvg encode-prompts --text-encoder PATH [--tokenizer DIR] --prompts-file F --out embeds.safetensors
-    sdvg generate --drafter D --target T --vae V [--reward R] (--prompt P | --prompts-file F) ...
+    sdvg generate --drafter D --target T --vae V [--reward R] (--prompt P | --prompts-file F | --prompt-schedule F) ...
 
 Failures are one line on stderr naming the argument or file, what is wrong and the fix, with exit
 status 2 (130 after Ctrl-C); ``--debug`` adds the traceback. Every argument and output path is checked
@@ -35,7 +35,7 @@ _EXPORTS = {
     "cmd_export_comfy": ".export_comfy",
     **dict.fromkeys(("MANIFEST", "check_manifest", "check_output_file", "plan_generate_outputs", "write_manifest",
                      "write_text_atomic", "written_by_earlier_run"), ".outputs"),
-    **dict.fromkeys(("_contexts", "_read_prompts", "plan_prompts"), ".prompts"),  # imported from here by tests
+    **dict.fromkeys(("_contexts", "_read_prompts", "plan_prompts", "read_prompt_schedule"), ".prompts"),  # tests
 }
 
 __all__ = sorted(["main", *(n for n in _EXPORTS if not n.startswith("_"))])

@@ -119,7 +119,9 @@ def options_of(args):
     (``uses_drafter``, ``uses_target``, ``scores_drafts``) is asked of it, never of the mode's name."""
     from ..options import SDVGOptions
 
-    return SDVGOptions(mode=getattr(args, "mode", "sdvg"), schedule_veto=bool(getattr(args, "schedule_veto", False)))
+    return SDVGOptions(mode=getattr(args, "mode", "sdvg"), schedule_veto=bool(getattr(args, "schedule_veto", False)),
+                       target_after_switch=bool(getattr(args, "target_after_switch", SDVGOptions.target_after_switch)),
+                       switch_routing=getattr(args, "switch_routing", SDVGOptions.switch_routing))
 
 
 def _flag(args, name):
@@ -403,6 +405,20 @@ def _input_problem(value) -> str | None:
     if not path.exists():
         reason = missing_reason(path)
         return "not found; check the path" if reason == "not found" else reason
+    return None
+
+
+@arg_check("--prompt-schedule", "generate")
+def _check_prompt_schedule_alone(args):
+    """A schedule holds the video's prompts: --prompt / --prompts-file beside it are refused (its file is read and
+    checked with the other prompts, :func:`sdvg_engine.cli.prompts.read_prompt_schedule`)."""
+    if args.prompt_schedule is None:
+        return None
+    given = [flag for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file))
+             if value is not None]
+    if given:
+        return (f"holds the prompts of the video; drop {' and '.join(given)} (with --context-file the schedule's "
+                "prompts are looked up there)")
     return None
 
 

@@ -20,7 +20,9 @@ from .arg_checks import finite_float, tau_value
 
 #: ``sdvg bench``'s tau values when none are given: the paper's table (fixed) or margins around the default (relative)
 BENCH_TAUS = {"fixed": "-0.7,-1.0,-1.5,-2.0", "reference": "-0.1,-0.25,-0.5,-1.0"}
-from ..choices import KV_DTYPES, MODES, OFFLOAD_CHOICES, REFERENCE_MODES, SCHEDULE_EVERY, TAU_MODES  # noqa: F401
+from ..choices import (KV_DTYPES, MODES, OFFLOAD_CHOICES, REFERENCE_MODES, SCHEDULE_EVERY,  # noqa: F401
+                       SWITCH_ROUTING, TAU_MODES)
+from ..options import SDVGOptions  # torch-free: the defaults of --target-after-switch / --switch-routing
 CONTEXT_CHOICES = ("auto", "global_cache", "recompute_window")
 SCHEDULE_CHOICES = ("auto", "self_forcing", "krea")
 
@@ -146,6 +148,14 @@ def _add_model_args(p, *, command: str) -> None:
     g.add_argument("--context-file", metavar="FILE",
                    help="prompt embeddings written by `sdvg encode-prompts` (the text encoder is then not loaded); "
                         "default: none, encode with --text-encoder")
+    if not bench:
+        g.add_argument("--prompt-schedule", metavar="FILE",
+                       help="one video whose prompt changes as it plays: a UTF-8 file of `frame: prompt` lines "
+                            "(`0: a red ball rolls`, `33: a blue ball rolls`; # comments) or JSON [{\"frame\": 0, "
+                            "\"prompt\": \"...\", \"reward_prompt\": \"...\"}, ...]. The first entry starts at frame "
+                            "0, the others in order at block starts (0, 9, 21, 33, ... = 12b-3); each distinct prompt "
+                            "is encoded once (with --context-file: looked up there). Not with --prompt/--prompts-file; "
+                            "default: none")
 
     g = p.add_argument_group("video")
     g.add_argument("--length", "--frames", dest="frames", type=int, default=81, metavar="N",
@@ -192,6 +202,14 @@ def _add_model_args(p, *, command: str) -> None:
         g.add_argument("--cascade", action="store_true",
                        help="cascade scoring: score 4 frames first and stop early when they decide (--tau-mode fixed "
                             "with --aggregation min only)")
+        g.add_argument("--target-after-switch", action=argparse.BooleanOptionalAction,
+                       default=SDVGOptions.target_after_switch,
+                       help="--prompt-schedule: the first block after each prompt switch is made by the target, as "
+                            "block 0 is (--no-target-after-switch: the router decides)")
+        g.add_argument("--switch-routing", choices=SWITCH_ROUTING, default=SDVGOptions.switch_routing,
+                       help="--prompt-schedule: reset: after a switch the router compares drafts only with blocks "
+                            "of the new prompt (as at the start of a video); carry: scores under the old prompt stay "
+                            "references")
         g.add_argument("--taus", default=None, metavar="LIST",
                        help="one video per tau, e.g. --taus=-0.5,-1,-1.5 (--mode sdvg): each reuses the blocks an "
                             "earlier tau made up to its first changed decision (identical to separate runs); default: "

@@ -8,7 +8,7 @@ import time
 from .arg_checks import options_of, parse_taus
 from .common import UsageError, _print_err, raise_if_interrupted
 from .outputs import _finish_outputs, plan_generate_outputs
-from .prompts import _contexts, plan_prompts
+from .prompts import _contexts, plan_prompts, read_prompt_schedule, schedule_entries
 
 
 def generator_kwargs(args, role: str) -> dict:
@@ -113,6 +113,17 @@ def _progress(num_blocks: int):
     return on_block
 
 
+def schedule_report(args, schedule) -> dict:
+    """The report's ``prompt_schedule`` of a ``--prompt-schedule`` video: the file and, per entry, its first video frame
+    and block, the prompt the video follows and the reward prompt its drafts are scored against (the run's
+    ``settings["prompt_schedule"]`` lists the segments as the engine ran them)."""
+    from ..prompt_schedule import block_start_frame
+
+    return {"file": str(args.prompt_schedule),
+            "entries": [{"frame": block_start_frame(block), "first_block": block, "prompt": prompt,
+                         "reward_prompt": reward} for block, prompt, reward in schedule]}
+
+
 def _video_suffix(args) -> str:
     from ..video_io import default_video_suffix, have_pyav
 
@@ -128,24 +139,34 @@ def cmd_generate(args) -> int:
     from PIL import Image
 
     from ..pipeline import CancelToken, GenerationCancelled, NonFiniteOutputError, SDVGOptions, video_frames_to_latent_frames
+    from ..prompt_schedule import block_start_frame
     from ..video_io import atomic_output, mask_strip, write_video
 
     options = SDVGOptions(mode=args.mode, force_first_block=args.force_first_block, random_accept_prob=args.random_p,
                           refine_from_step=args.refine_from_step, cascade=args.cascade,
-                          schedule_every=args.schedule_every, schedule_veto=args.schedule_veto)
+                          schedule_every=args.schedule_every, schedule_veto=args.schedule_veto,
+                          target_after_switch=args.target_after_switch, switch_routing=args.switch_routing)
     num_blocks = video_frames_to_latent_frames(args.frames) // 3
     taus = parse_taus(args.taus) if args.taus else [args.tau]
     # Everything that can be checked without a model is checked before the first load.
-    plan = plan_prompts(args)
+    schedule = read_prompt_schedule(args)  # --prompt-schedule: one video, its prompts changing at block starts
+    plan = plan_prompts(args, schedule)
+    videos = 1 if schedule is not None else len(plan[0])
     suffix = _video_suffix(args)
-    out, files, report_path = plan_generate_outputs(args, len(plan[0]) * len(taus), suffix)
-    pairs = _contexts(args, plan)
+    out, files, report_path = plan_generate_outputs(args, videos * len(taus), suffix)
+    pairs = _contexts(args, plan)  # each distinct prompt encoded once
     pipe = build_pipeline(args)  # --out is created by the first finished video, not before
     if len(taus) > 1:
         from ..memo import ReplayMemo
 
         pipe.memo = ReplayMemo()  # each tau after the first replays the blocks before its first changed decision
-    jobs = [(prompt, context, i, tau) for i, (prompt, context) in enumerate(pairs) for tau in taus]
+    if schedule is not None:
+        # (label, embeddings, seed offset, tau, the pipeline's prompt_schedule)
+        entries = schedule_entries(schedule, pairs)
+        label = " | ".join(f"{block_start_frame(block)}: {prompt}" for block, prompt, _ in schedule)
+        jobs = [(label, None, 0, tau, entries) for tau in taus]
+    else:
+        jobs = [(prompt, context, i, tau, None) for i, (prompt, context) in enumerate(pairs) for tau in taus]
     sweep_started, estimated_independent = time.perf_counter(), 0.0
 
     token = CancelToken()
@@ -160,13 +181,15 @@ def cmd_generate(args) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint)
     reports = []
     try:
-        for k, (prompt, context, i, tau) in enumerate(jobs):
+        for k, (prompt, context, i, tau, entries) in enumerate(jobs):
             _print_err(f"video {k + 1}/{len(jobs)}: {prompt[:80]}" + (f" (tau {tau:g})" if len(taus) > 1 else ""))
             if pipe.router is not None:
                 pipe.router.tau = tau
             started = time.perf_counter()
             try:
-                result = pipe.generate(context, prompt=prompt, num_frames=args.frames, width=args.width, height=args.height,
+                inputs = dict(prompt_schedule=entries) if entries is not None else dict(prompt_embeds=context,
+                                                                                         prompt=prompt)
+                result = pipe.generate(**inputs, num_frames=args.frames, width=args.width, height=args.height,
                                        seed=args.seed + i, options=options, cancel=token,
                                        on_block=_progress(num_blocks))
             except GenerationCancelled as err:
@@ -179,6 +202,8 @@ def cmd_generate(args) -> int:
                     ("drafter", options.uses_drafter), ("target", options.uses_target)) if used]
                 raise NonFiniteOutputError(f"video {i + 1} ({prompt[:40]!r}): {err} Files: {', '.join(files_used)}.") from err
             unused_model_settings(result.report, options)
+            if schedule is not None:
+                result.report["prompt_schedule"] = schedule_report(args, schedule)
             replay = result.report.get("replay", {})
             estimated_independent += time.perf_counter() - started + replay.get("seconds_saved", 0.0)
             if replay.get("replayed_blocks"):

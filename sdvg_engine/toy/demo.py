@@ -17,6 +17,9 @@ scored as its exact expectation, no sampling noise). Writes to ``--out``:
   target-only quality vs speedup: this run, the 40 report-set clips of the shipped routing table and the reference
   on the same axes), every router judged on those 40 clips, the verdicts on the demo's clips and the videos side by
   side (target-only, SDVG, draft-only). Every number on it is the report's (``data-key``).
+* ``switching.png`` and ``videos/switching/*``: a prompt switch (issue 39, :func:`switching_clip`): one report-set
+  clip whose caption changes one attribute at the middle block, made by the target alone, SDVG and random routing at
+  SDVG's acceptance, the switch marked (``--no-switch`` skips it).
 
 By default the prompts are the report set's most typical (``--prompt-set typical``, :func:`typical_prompts`): clips
 no router or tau was chosen on, whose baselines look like the whole report set's.
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from ..pipeline import SDVGOptions, video_frames_to_latent_frames
+from ..prompt_schedule import block_start_frame
 from . import routing_report
 from .clips import NUM_FRAMES, build_pipeline, prompts_for, run_clip
 from .models import load_toy_models, vae_round_trip
@@ -241,6 +245,145 @@ def findings(configs: dict, trees: dict | None = None) -> dict:
         "held_out": None if trees is None else trees.get("held_out"),
         "chosen_on_design": None if trees is None else trees.get("chosen_on_design"),
     }
+
+
+# ---- a switching clip (issue 39: prompt schedules) -------------------------------------------------------
+def switching_clip(models, out: Path, *, num_frames: int = NUM_FRAMES, tau: float = -1.278, workers: int | str = 1,
+                   videos: bool = True, log=print) -> dict:
+    """One report-set switching clip (:func:`sdvg_engine.toy.switching.switch_clips`: its caption changes one
+    attribute at the middle block) made three ways on the same seed: the target alone, SDVG (the fixed router at
+    ``tau``, the engine's switch defaults: the router decides the first block after the switch too, its state
+    carried) and random routing at SDVG's acceptance (its draws decided before drafting). Quality: each segment's frames against
+    its own caption (:func:`switching.schedule_metrics`); speed: the study's cost model (the shipped
+    ``switching_report.json``'s seconds, the re-cache at the switch counted) and this run's wall time. Writes
+    ``switching.png`` (frames, the switch marked, green = kept draft) and ``videos/switching/*``."""
+    from . import switching as sw
+
+    began = time.perf_counter()
+    clip = sw.switch_clips("report", 1)[0]
+    pipe = build_pipeline(models, tau=tau, workers=workers)
+    study = sw.shipped()
+    seconds = study["seconds"] if study else None
+    first = sw.switch_block(num_frames)
+    sw.run_switch_clip(pipe, clip, SDVGOptions(mode="target_only"), num_frames)  # warm-up
+    runs, kept = [], {}
+
+    def one(name: str, options: SDVGOptions) -> dict:
+        result, metrics = sw.run_switch_clip(pipe, clip, options, num_frames)
+        counts = sw.run_counts(result, pipe.router, options, clip.segments(num_frames))
+        acc = result.report["acceptance"]
+        row = {"name": name, "mode": options.mode, "decisions": result.report["decisions"],
+               "quality": metrics["quality"], "segments": [m["quality"] for m in metrics["segments"]],
+               "accepted_blocks": acc["accepted_blocks"], "drafted_blocks": acc["drafted_blocks"],
+               "acceptance": acc["accepted_blocks"] / acc["drafted_blocks"] if acc["drafted_blocks"] else 0.0,
+               "model_calls": counts, "wall_seconds": result.report["seconds"]["wall"],
+               "cost_seconds": sw.cost_seconds(counts, seconds) if seconds else None}
+        runs.append(row)
+        kept[name] = result
+        return row
+
+    one("target_only", SDVGOptions(mode="target_only"))
+    sd = one(f"sdvg tau={tau:g}", SDVGOptions(mode="sdvg"))
+    p = sd["acceptance"] if sd["drafted_blocks"] else 0.5
+    one(f"random p={p:.2f}", SDVGOptions(mode="random", random_accept_prob=p))
+    base = runs[0]
+    for row in runs:
+        row["quality_ratio"] = row["quality"] / base["quality"] if base["quality"] > 0 else None
+        row["after_switch_ratio"] = row["segments"][-1] / base["segments"][-1] if base["segments"][-1] > 0 else None
+        row["speedup"] = base["cost_seconds"] / row["cost_seconds"] if seconds else None
+        row["measured_speedup"] = base["wall_seconds"] / row["wall_seconds"]
+    files = {"strip": str(out / "switching.png"), "videos": {}}
+    write_switch_strip([(r["name"], kept[r["name"]].frames, kept[r["name"]].acceptance_mask) for r in runs],
+                       block_start_frame(first), f"switch at frame {block_start_frame(first)}: {clip.after}",
+                       out / "switching.png")
+    if videos:
+        (out / "videos" / "switching").mkdir(parents=True, exist_ok=True)
+        for r in runs:
+            tag = r["name"].split(" ")[0]
+            written = write_video(kept[r["name"]].frames, out / "videos" / "switching" / tag)
+            files["videos"][tag] = f"videos/switching/{Path(written[0]).name}"
+    log(f"switching clip {clip.name!r} (switch at frame {block_start_frame(first)}): "
+        + "; ".join(f"{r['name']} {r['quality']:.3f} ({100 * (r['quality_ratio'] or 0):.1f}%"
+                    + (f", {r['speedup']:.2f}x" if r["speedup"] else "") + ")" for r in runs)
+        + f" ({time.perf_counter() - began:.0f}s)")
+    study_rows = None
+    if study:
+        study_rows = {split: {"clips": study[split]["clips"], "best_pair": study[split]["best_pair"],
+                              "pairs": study[split]["pairs"]} for split in ("design", "report") if split in study}
+    return {"before": clip.before, "after": clip.after, "attribute": clip.attribute, "seed": clip.seed,
+            "switch_block": first, "switch_frame": block_start_frame(first), "tau": tau, "runs": runs,
+            "files": files, "cost_model": "switching_report.json" if seconds else None, "study": study_rows,
+            "seconds": time.perf_counter() - began}
+
+
+def write_switch_strip(rows, switch_frame: int, title: str, path: Path, *, scale: int = 2) -> None:
+    """One row per run: every frame, a bar under it (green = accepted draft, red = target) and a black line before
+    the frame where the prompt switches."""
+    from PIL import Image, ImageDraw
+
+    cell, bar, label = SIZE * scale, 6, 14
+    width = max(f.shape[0] for _, f, _ in rows) * cell
+    img = Image.new("RGB", (width, label + len(rows) * (label + cell + bar + 4)), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    draw.text((switch_frame * cell + 4, 1), title, fill=(0, 0, 0))
+    y = label
+    for caption, frames, mask in rows:
+        draw.text((2, y + 1), caption, fill=(0, 0, 0))
+        y += label
+        for i, a in enumerate(_to_uint8(frames, scale)):
+            img.paste(Image.fromarray(a), (i * cell, y))
+            colour = (40, 170, 60) if mask[i] > 0.5 else (200, 50, 50)
+            draw.rectangle([i * cell, y + cell + 1, (i + 1) * cell - 2, y + cell + bar], fill=colour)
+        y += cell + bar + 4
+    x = switch_frame * cell - 1
+    draw.rectangle([x - 1, 0, x + 1, img.size[1]], fill=(0, 0, 0))
+    img.save(path)
+
+
+def switching_section(sw: dict, num) -> str:
+    """The page's section on the switching clip (``report["switching"]``) and the shipped study's defaults."""
+    import html
+
+    k0 = "switching"
+    out = [f"<h2>A prompt switch: {html.escape(sw['before'])} &rarr; {html.escape(sw['after'])}</h2>",
+           f"<p>A report-set clip whose caption changes its {html.escape(sw['attribute'])} at frame "
+           f"{num(k0 + '.switch_frame', 'n')} (block {num(k0 + '.switch_block', 'n')}), made three ways on the same "
+           "seed. Quality: each segment's frames against its own caption; % of target-only on the same schedule. "
+           "SDVG runs with the engine's switch defaults (the router decides the first block after the switch like any "
+           "other, its state carried across); random routing at SDVG's acceptance. Speedup: "
+           + ("the study's cost model (one worker; the re-cache of the committed blocks under the new prompt "
+              "counted)" if sw["cost_model"] else "no cost model (switching_report.json missing)")
+           + "; measured: this run's wall time.</p>",
+           "<table><tr><th>run</th><th>blocks (T = target, D = kept draft)</th><th>quality</th>"
+           "<th>% of target-only</th><th>after the switch, %</th><th>speedup (cost model)</th><th>measured</th></tr>"]
+    for i, r in enumerate(sw["runs"]):
+        k = f"{k0}.runs.{i}"
+        blocks = "".join("T" if d == "target" else "D" for d in r["decisions"])
+        blocks = blocks[:sw["switch_block"]] + "|" + blocks[sw["switch_block"]:]
+        video = sw["files"]["videos"].get(r["name"].split(" ")[0])
+        cell = f"<img class='v' src='{html.escape(video)}'><br>" if video else ""
+        out.append(f"<tr><td>{cell}{html.escape(r['name'])}</td><td><code>{blocks}</code></td>"
+                   f"<td>{num(k + '.quality', 'q')}</td><td>{num(k + '.quality_ratio', 'pct')}</td>"
+                   f"<td>{num(k + '.after_switch_ratio', 'pct')}</td><td>{num(k + '.speedup', 'x')}</td>"
+                   f"<td>{num(k + '.measured_speedup', 'x')}</td></tr>")
+    out.append("</table><p><img src='switching.png' alt='switching clip' style='max-width:100%'><br>The black line "
+               "marks the switch; under each frame green = the drafter's block kept, red = made by the target.</p>")
+    study = sw.get("study")
+    if study:
+        out.append("<p>The switch defaults were chosen on design-set switching clips and quoted on report-set ones "
+                   "(<code>python -m sdvg_engine.toy.switching</code>, docs/dev/prompt_schedule.md): mean over the "
+                   "five routers at their design-chosen settings.</p><table><tr><th>split</th><th>target after the "
+                   "switch / routing</th><th>% of target-only</th><th>after the switch, %</th><th>speedup</th>"
+                   "<th>&minus; random at the same speed (points)</th></tr>")
+        for split, s in study.items():
+            for pair in s["pairs"]:
+                k = f"{k0}.study.{split}.pairs.{pair}"
+                out.append(f"<tr><td>{split} ({num(f'{k0}.study.{split}.clips', 'n')} clips)</td><td>"
+                           f"{html.escape(pair)}{' (best on this split)' if pair == s['best_pair'] else ''}</td>"
+                           f"<td>{num(k + '.quality_ratio', 'pct')}</td><td>{num(k + '.after_switch_ratio', 'pct')}</td>"
+                           f"<td>{num(k + '.speedup', 'x')}</td><td>{num(k + '.minus_random_at_speed', 'pct')}</td></tr>")
+        out.append("</table>")
+    return "\n".join(out)
 
 
 # ---- outputs ---------------------------------------------------------------------------------------------
@@ -572,6 +715,8 @@ def write_page(report: dict, path: Path) -> None:
     table = report.get("routing_report")
     if table:
         parts.append(routing_section(table, num))
+    if report.get("switching"):
+        parts.append(switching_section(report["switching"], num))
     parts.append("<h2>Verdicts on this run's clips (nothing was tuned on them)</h2><table><tr><th>SDVG tau</th><th>acceptance</th>"
                  "<th>router</th><th>random, same acceptance</th><th>router &minus; random [95% CI]</th></tr>")
     for i, m in enumerate(f["router_vs_random_at_matched_acceptance"]):
@@ -716,6 +861,8 @@ def main(argv=None) -> dict:
                     help="also time every mode on this many workers, for comparison (0: skip; default 1, the sequential schedule)")
     ap.add_argument("--preset", default="native", choices=("native", "reference"),
                     help="native (default: the toy models as trained) or reference (the paper's recompute window + 5 calls)")
+    ap.add_argument("--no-switch", action="store_true",
+                    help="skip the switching clip (a prompt schedule: SDVG beside the target alone and random routing)")
     ap.add_argument("--tree-cache", default=None,
                     help="folder of the decision trees behind the router-vs-random verdict (default: OUT/tree_cache)")
     args = ap.parse_args(argv)
@@ -759,6 +906,10 @@ def main(argv=None) -> dict:
                          block_seconds=block_seconds_of(compare if compare else configs, args.frames))
     trees["held_out"] = args.prompt_set in ("typical", "report")  # report-set clips: no router or tau chosen on them
     trees["prompt_set"] = args.prompt_set
+    switching = None if args.no_switch else switching_clip(
+        models, out, num_frames=args.frames, tau=showcase_tau, workers=args.workers, videos=not args.no_videos)
+    if switching:
+        files["switching"] = switching["files"]["strip"]
     summary = findings(configs, trees)
     summary["ceiling"] = vae_ceiling(models.vae, prompts, num_frames=args.frames)
     report = {"num_frames": args.frames, "size": SIZE, "prompts": prompts, "seeds": seeds, "taus": args.taus,
@@ -767,7 +918,8 @@ def main(argv=None) -> dict:
               "compare_workers": args.compare_workers if compare else None,
               "compare_configs": list(compare.values()) if compare else None,
               "findings": summary, "tree_verdict": trees, "files": files, "num_prompts": len(prompts),
-              "baselines": baselines_beside_reference(trees), "routing_report": shipped_routing_table()}
+              "baselines": baselines_beside_reference(trees), "routing_report": shipped_routing_table(),
+              "switching": switching}
     report["page"] = {"pareto_points": pareto_points(report), "videos": page_videos}
     write_pareto_vs_reference(report["page"]["pareto_points"], out / "pareto_vs_reference.png")
     report["seconds"] = time.perf_counter() - began
@@ -820,7 +972,8 @@ def main(argv=None) -> dict:
     print("(the 40-clip figures: python bench/bench_routing.py; docs/dev/routing.md)")
     note = "" if ".mp4" in kinds or not kinds else " (WebP only: install PyAV for MP4)"
     print(f"files in {out.resolve()}: index.html (read this), {len(files['videos'])} videos in videos/{note}, "
-          f"acceptance_mask.png, pareto.png, pareto_vs_reference.png, report.json ({report['seconds']:.0f}s)")
+          f"acceptance_mask.png, pareto.png, pareto_vs_reference.png{', switching.png' if switching else ''}, "
+          f"report.json ({report['seconds']:.0f}s)")
     return report
 
 
