@@ -264,7 +264,7 @@ def test_the_toy_tools_import_in_one_direction():
     import ast
 
     order = ["world", "models", "text", "tree_frames", "clips", "baselines", "tree", "signal_trees", "signals", "verifier",
-             "routing_report", "demo"]
+             "routing_report", "switching", "demo"]
     folder = Path(__file__).resolve().parents[1] / "sdvg_engine" / "toy"
     assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(order)
     for name in order:
