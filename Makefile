@@ -36,6 +36,7 @@ bench: venv
 	$(VPY) bench/bench_tau_sweep.py
 	$(VPY) bench/bench_toy_settings.py
 	$(VPY) bench/bench_replay_vae.py
+	$(VPY) bench/bench_prompt_switch.py
 	PYTHONPATH=. $(VPY) bench/dry_run.py
 	$(VPY) bench/bench_routing.py --time --repeats 3 --time-prompts 8 --threads 1 --out outputs/routing_timed.json
 

@@ -166,11 +166,11 @@ def main():
         p.error("--offload streams transformer blocks from CPU RAM to a CUDA GPU, and no CUDA device is visible; "
                 "use --tiny to run the offload code path on the CPU")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if args.tiny:
-        torch.set_num_threads(2)
+    if args.tiny:  # one intra-op thread: beside other work (CI's pytest workers) more threads spin and wait
+        torch.set_num_threads(1)
     width, height = (48, 32) if args.tiny else (832, 480)
-    if args.tiny:
-        args.blocks = min(args.blocks, 3)
+    if args.tiny:  # CI's check that the script runs: every code path, the fewest blocks and runs that reach them
+        args.blocks = min(args.blocks, 2)
     h, w = height // 8, width // 8
     frames = 12 * args.blocks - 3
 
@@ -193,10 +193,11 @@ def main():
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         return report, peak
 
-    run("target_only")  # warm-up (kernels, allocator)
+    if not args.tiny:
+        run("target_only")  # warm-up (kernels, allocator)
     drafted = args.blocks - 1
     results = [("target-only", *run("target_only")), ("draft-only", *run("draft_only"))]
-    for frac in (0.0, 0.731, 0.875, 1.0):
+    for frac in ((0.0, 1.0) if args.tiny else (0.0, 0.731, 0.875, 1.0)):
         accepted = round(frac * drafted)
         results.append((f"SDVG {accepted}/{drafted} accepted ({frac:.1%})", *run("sdvg", accept_pattern(accepted, drafted))))
     if args.prompt_switch:

@@ -596,7 +596,7 @@ def test_options_normalise_and_round_trip():
     fields = dataclasses.asdict(options)
     assert fields == {"mode": "schedule", "force_first_block": True, "random_accept_prob": 0.5, "refine_from_step": 2,
                       "cascade": False, "cascade_frames": 3, "cascade_margin": 1.0, "schedule_every": 2,
-                      "schedule_veto": False}
+                      "schedule_veto": False, "target_after_switch": False, "switch_routing": "carry"}
     assert [type(fields[k]) for k in ("random_accept_prob", "refine_from_step", "cascade_frames", "schedule_every")] \
         == [float, int, int, int]
     json.dumps(fields, allow_nan=False)

@@ -279,8 +279,6 @@ def test_a_switch_at_real_size_holds_one_prompts_text_kv_per_model_and_re_caches
     assert switched.device == plain.device
     assert switched.host["prompt schedule (text contexts)"] == 2 * 512 * 4096 * 4
     assert switched.report["model_calls"]["drafter"] == {"denoise": 28, "commit": 6 + 2, "text": 1}
-    scheduled = dry_run(DryRunConfig(preset="native", mode="target_only", workers=1, switch_at=3))
-    assert scheduled.report["model_calls"]["target"] == {"denoise": 35, "recompute": 6, "text": 1}
     from sdvg_engine.dry_run import meta_stack
 
     target = meta_stack().target

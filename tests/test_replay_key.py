@@ -66,8 +66,8 @@ OPTION_CHANGES = {
     "cascade_margin": [dict(cascade_margin=0.0), dict(cascade_margin=0.25)],
     "schedule_every": [dict(schedule_every=0), dict(schedule_every=2)],
     "schedule_veto": [dict(schedule_veto=True)],
-    "target_after_switch": [dict(target_after_switch=False)],
-    "switch_routing": [dict(switch_routing="carry")],
+    "target_after_switch": [dict(target_after_switch=True)],
+    "switch_routing": [dict(switch_routing="reset")],
 }
 
 
