@@ -100,8 +100,7 @@ class CausalGenerator:
         text_key = (self.model.device, self.model.compute_dtype)
         if (self._text_source is None or self._text_key != text_key or self._text_source.shape != prompt_embeds.shape
                 or not torch.equal(self._text_source, prompt_embeds.to(self._text_source.device))):
-            self.text_kv = self.model.encode_text(prompt_embeds)
-            self._text_source, self._text_key = prompt_embeds.detach().clone(), text_key
+            self._encode_text(prompt_embeds)
         self._text_segments, self._segment = [(0, prompt_embeds), *switches], 0
         self.context.reset()
         self.calls.clear()
@@ -166,14 +165,18 @@ class CausalGenerator:
             return
         if self.before_call is not None:
             self.before_call(self.name, "text")
-        embeds = self._text_segments[segment][1]
-        self.text_kv = None
         with self.timer.measure("text", self.model.device):
-            self.text_kv = self.model.encode_text(embeds)
+            self._encode_text(self._text_segments[segment][1])
         self.calls["text"] += 1
-        self._text_source, self._text_key = embeds.detach().clone(), (self.model.device, self.model.compute_dtype)
         self._segment = segment
         self.context.invalidate()
+
+    def _encode_text(self, prompt_embeds: torch.Tensor) -> None:
+        """``text_kv`` for ``prompt_embeds`` (the old one freed first), and what :meth:`start` compares to reuse it.
+        Forgotten before the encode: one stopped halfway (a cancel, an error) leaves nothing a later start reuses."""
+        self.text_kv, self._text_source = None, None
+        self.text_kv = self.model.encode_text(prompt_embeds)
+        self._text_source, self._text_key = prompt_embeds.detach().clone(), (self.model.device, self.model.compute_dtype)
 
     def _upload(self, draws: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move a block's CPU noise draws to the model's device in one copy. On CUDA the copy is pinned and

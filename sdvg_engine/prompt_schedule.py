@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 
 __all__ = ["PromptSegment", "PromptSchedule", "parse_schedule", "block_start_frame", "block_of_frame",
-           "block_start_frames"]
+           "block_start_frames", "check_text_context"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,23 +143,29 @@ class PromptSchedule:
                 raise ValueError(f"prompt_schedule entry {i} starts at block {first}, beyond the video's {num_blocks} "
                                  f"blocks (0..{num_blocks - 1}); drop it or make the video longer")
             previous = first
-            embeds = seg.embeds
             where = f"prompt_schedule entry {i} (block {first})"
-            if not isinstance(embeds, torch.Tensor):
-                raise ValueError(f"{where}: prompt_embeds must be a torch.Tensor [1, L, {text_dim}], got "
-                                 f"{type(embeds).__name__}")
-            if embeds.is_meta:
-                raise ValueError(f"{where}: prompt_embeds is on the meta device (a shape without values); pass real "
-                                 "embeddings")
-            if embeds.ndim != 3 or embeds.shape[0] != 1 or embeds.shape[-1] != text_dim:
-                raise ValueError(f"{where}: text context must be [1, L, {text_dim}], got {tuple(embeds.shape)}")
-            if not torch.isfinite(embeds).all():
-                raise ValueError(f"{where}: the prompt embeddings contain NaN or inf; re-encode the prompt")
+            check_text_context(seg.embeds, text_dim, where)
             if not isinstance(seg.prompt, str):
                 raise ValueError(f"{where}: the reward prompt must be a string, got {type(seg.prompt).__name__}")
             if needs_prompt and not seg.prompt.strip():
                 raise ValueError(f"{where}: the reward prompt is empty, and mode {mode!r} scores drafts against it; "
                                  "give each entry the text its embeddings were made from")
+
+
+def check_text_context(embeds, text_dim: int, where: str = "") -> None:
+    """Refuse a text context a model cannot take (the run's ``prompt_embeds`` or a schedule entry's, named by
+    ``where``): not a tensor, on the meta device, not ``[1, L, text_dim]``, or holding NaN/inf."""
+    prefix = f"{where}: " if where else ""
+    if not isinstance(embeds, torch.Tensor):
+        raise ValueError(f"{prefix}prompt_embeds must be a torch.Tensor [1, L, {text_dim}], got {type(embeds).__name__}; "
+                         "stack a list with torch.stack / load it with sdvg_engine.text_encoder.load_prompt_embeddings")
+    if embeds.is_meta:
+        raise ValueError(f"{prefix}prompt_embeds is on the meta device (a shape without values); pass real embeddings "
+                         "on the CPU or the model's device")
+    if embeds.ndim != 3 or embeds.shape[0] != 1 or embeds.shape[-1] != text_dim:
+        raise ValueError(f"{prefix}text context must be [1, L, {text_dim}], got {tuple(embeds.shape)}")
+    if not torch.isfinite(embeds).all():
+        raise ValueError(f"{prefix}the prompt embeddings (text context) contain NaN or inf; re-encode the prompt")
 
 
 # ---- video frames <-> blocks (what users write) ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 from .checks import check_int
 from .memo import RecordedBlock, Recording, ReplayPlan, plan_replay
 from .options import CancelToken, GenerationCancelled, SDVGOptions
-from .prompt_schedule import PromptSchedule
+from .prompt_schedule import PromptSchedule, check_text_context
 from .replay_key import replay_key
 from .report import BlockRecord, ComponentTimer, Lap
 from .router import RandomRouter, RouteDecision, TauState
@@ -130,6 +130,7 @@ class Run:
     def decided_before_drafting(self, b: int) -> RouteDecision | None:
         """The decision of a block made before any draft: random mode's draw (``None`` in the other modes and for a
         block the target makes anyway: block 0, the first block after a prompt switch)."""
+        # Asked with a draw that gives the drafter the block: True only where the target makes it whatever the draw.
         if self.random_router is None or self.options.target_makes_block(b, True, self.starts_segment(b)):
             return None
         return self.random_router.decide_block(b)
@@ -285,17 +286,7 @@ def check_run_inputs(pipe: SpeculativePipeline, prompt_embeds, prompt, num_frame
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string (the text the embeddings were made from; '' when no reward "
                          f"scores drafts), got {type(prompt).__name__} {prompt!r}")
-    if not isinstance(prompt_embeds, torch.Tensor):
-        raise ValueError(f"prompt_embeds must be a torch.Tensor [1, L, {pipe.target.model.config.text_dim}], got "
-                         f"{type(prompt_embeds).__name__}; stack a list with torch.stack / load it with "
-                         "sdvg_engine.text_encoder.load_prompt_embeddings")
-    if prompt_embeds.is_meta:
-        raise ValueError("prompt_embeds is on the meta device (a shape without values); pass real embeddings on the "
-                         "CPU or the model's device")
-    if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != 1:
-        raise ValueError(f"text context must be [1, L, {pipe.target.model.config.text_dim}], got {tuple(prompt_embeds.shape)}")
-    if not torch.isfinite(prompt_embeds).all():
-        raise ValueError("the prompt embeddings (text context) contain NaN or inf; re-encode the prompt")
+    check_text_context(prompt_embeds, pipe.target.model.config.text_dim)
     if options.scores_drafts and not prompt.strip():
         raise ValueError(f"mode {options.mode!r}{' with schedule_veto' if options.mode == 'schedule' else ''} scores "
                          "drafts against the prompt text, but prompt is empty; pass prompt=... (the text the "

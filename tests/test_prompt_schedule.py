@@ -309,3 +309,23 @@ def test_a_replay_across_a_switch_re_decides_with_the_pool_the_run_had():
     again = run(pipe, two_prompts(), switch_routing="reset")
     assert again.report["replay"]["replayed_blocks"] == 4
     assert [r.decision.tau for r in again.blocks[1:]] == [r.decision.tau for r in first.blocks[1:]]
+
+
+def test_a_switch_stopped_in_its_text_encode_leaves_the_models_usable():
+    """A cancel or an error inside the new prompt's text encode: the next run (on the prompt the model held before)
+    encodes its text again instead of reusing a half-switched state, and equals a run that never failed."""
+    pipe = pipeline(tau=-1e9)
+    before = run(pipe, [(0, prompt_embeds(1), RED)])
+    encode = pipe.drafter.model.encode_text
+
+    def stopped(embeds):
+        raise RuntimeError("stopped inside the text encode")
+
+    pipe.drafter.model.encode_text = stopped
+    try:
+        with pytest.raises(RuntimeError, match="stopped inside the text encode"):
+            run(pipe, two_prompts())
+    finally:
+        pipe.drafter.model.encode_text = encode
+    after = run(pipe, [(0, prompt_embeds(1), RED)])
+    assert torch.equal(after.frames, before.frames) and torch.equal(after.latents, before.latents)
