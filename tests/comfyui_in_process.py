@@ -8,6 +8,7 @@ storage).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,20 @@ def import_comfyui(path, *, cpu: bool = True):
 
         sys.modules["folder_paths"] = folder_paths
     return comfy.model_management
+
+
+def comfyui_or_skip(test_file: str):
+    """``(path, comfy.model_management)`` of the ComfyUI checkout ``COMFYUI_PATH`` names, imported with ``--cpu``; without
+    one, skip the calling test module (``test_file``: its ``__file__``), saying how to run it."""
+    path = os.environ.get("COMFYUI_PATH", "")
+    if not is_checkout(path):
+        import pytest
+
+        name = Path(test_file).name
+        pytest.skip("in-process ComfyUI tests: set COMFYUI_PATH to a ComfyUI checkout and run them with its Python, "
+                    f"e.g. COMFYUI_PATH=.e2e/ComfyUI .e2e/venv/bin/python -m pytest -p no:xdist tests/{name}",
+                    allow_module_level=True)
+    return path, import_comfyui(path)
 
 
 #: per-tensor scale keys of scaled-fp8 weights: 0.3.64 (scaled_fp8 ops) / the LTS fork (QuantizedTensor layouts)

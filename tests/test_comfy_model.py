@@ -15,21 +15,15 @@ ComfyUI reads its launch flags once, when ``comfy.model_management`` is first im
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from comfyui_in_process import SCALE_KEYS, dequantised, import_comfyui, is_checkout
+from comfyui_in_process import SCALE_KEYS, comfyui_or_skip, dequantised
 
 ROOT = Path(__file__).resolve().parents[1]
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
-if not is_checkout(COMFYUI_PATH):
-    pytest.skip("in-process ComfyUI tests: set COMFYUI_PATH to a ComfyUI checkout and run them with its Python, e.g. "
-                "COMFYUI_PATH=.e2e/ComfyUI .e2e/venv/bin/python -m pytest -p no:xdist tests/test_comfy_model.py",
-                allow_module_level=True)
-mm = import_comfyui(COMFYUI_PATH)  # --cpu
+COMFYUI_PATH, mm = comfyui_or_skip(__file__)  # --cpu
 
 import comfy.ldm.modules.attention as comfy_attention  # noqa: E402
 import comfy.model_patcher  # noqa: E402

@@ -27,7 +27,6 @@ import functools
 import gc
 import inspect
 import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -35,15 +34,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script too (python tests/test_load_order.py)
-from comfyui_in_process import import_comfyui, is_checkout  # noqa: E402
+from comfyui_in_process import comfyui_or_skip  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH", "")
-if not is_checkout(COMFYUI_PATH):
-    pytest.skip("in-process ComfyUI tests: set COMFYUI_PATH to a ComfyUI checkout and run them with its Python, e.g. "
-                "COMFYUI_PATH=.e2e/ComfyUI .e2e/venv/bin/python -m pytest -p no:xdist tests/test_load_order.py",
-                allow_module_level=True)
-mm = import_comfyui(COMFYUI_PATH)  # --cpu
+COMFYUI_PATH, mm = comfyui_or_skip(__file__)  # --cpu
 
 import comfy.model_detection  # noqa: E402
 import comfy.model_patcher  # noqa: E402
